@@ -1,1 +1,4 @@
+from phalanx.config.loader import load_config
+from phalanx.config.schema import Config
 
+__all__ = ["Config", "load_config"]

@@ -1,0 +1,187 @@
+"""The `phalanx` command line. Each command parses its arguments and calls one function elsewhere.
+
+Bad input raises PhalanxError anywhere below; `main` prints it as one line and exits 2 (with the
+traceback only under --debug).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from phalanx.errors import PhalanxError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Train, keep alive, observe and serve Llama-style language models on any accelerator.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect run configs.")
+data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.")
+app.add_typer(config_app, name="config")
+app.add_typer(data_app, name="data")
+
+out = Console()
+err = Console(stderr=True)
+
+ArgsArg = typer.Argument(None, metavar="[CONFIG] [SECTION.KEY=VALUE]...",
+                         help="A YAML file or preset name (default: the demo), then overrides.")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object for machines.")
+
+
+def split_config_args(args: list[str] | None) -> tuple[str | None, list[str]]:
+    """`[CONFIG] [overrides...]`: the first argument is the config unless it is an override itself."""
+    args = list(args or [])
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks (may also follow any command).")):
+    pass
+
+
+@app.command()
+def train(
+    args: Optional[list[str]] = ArgsArg,
+    nproc: int = typer.Option(1, "--nproc", min=1, help="Ranks on this node (torch elastic launcher)."),
+    nnodes: str = typer.Option("1", "--nnodes", help="Number of nodes, or MIN:MAX, as torchrun takes it."),
+    node_rank: int = typer.Option(0, "--node-rank", min=0, help="This node's rank (multi-node)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT shared by all nodes."),
+    json_out: bool = JsonOpt,
+) -> None:
+    """Train (or resume) the run a config describes; with no arguments, the built-in Shakespeare demo."""
+    from phalanx.config.loader import load_config
+    from phalanx.launch.local import LaunchSpec, launch
+    from phalanx.train.run_dir import prepare_run
+    from phalanx.train.trainer import SUMMARY_FILE, check_resume_compatible
+    from phalanx.train.trainer import train as run_training
+
+    path, overrides = split_config_args(args)
+    config = load_config(path, overrides)
+    spec = LaunchSpec(nproc, nnodes, node_rank, rdzv_endpoint)
+    if not spec.single_process and config.parallel.strategy == "none":
+        raise PhalanxError("parallel.strategy=none runs one process; set parallel.strategy=ddp or fsdp for --nproc")
+    data = prepare_run(config, progress=not json_out)
+    check_resume_compatible(config, data)
+    if spec.single_process:
+        summary = run_training(config, show_progress=True)
+    else:
+        code = launch(spec, config.run_dir / "config.yaml", show_progress=True)
+        if code:
+            raise typer.Exit(code)
+        if node_rank != 0:
+            return
+        summary = json.loads((config.run_dir / SUMMARY_FILE).read_text())
+    if json_out:
+        print(json.dumps(summary))
+    else:
+        _print_table("training summary", summary)
+
+
+@app.command()
+def generate(
+    run_dir: Path = typer.Argument(..., help="A run directory (its newest checkpoint) or a checkpoint directory."),
+    prompt: str = typer.Argument("", help="Text to continue."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="0 picks the likeliest token."),
+    top_k: int = typer.Option(50, "--top-k", min=0, help="Sample among the k likeliest tokens (0: all)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Fix the sampling for repeatable output."),
+) -> None:
+    """Print text sampled from a trained run."""
+    from phalanx.serve.generate import generate_text, load_run
+
+    loaded = load_run(run_dir)
+    print(generate_text(loaded, prompt, max_new_tokens, temperature, top_k or None, seed))
+
+
+@config_app.command("show")
+def config_show(args: Optional[list[str]] = ArgsArg, json_out: bool = JsonOpt) -> None:
+    """Print the resolved config (presets, extends and overrides applied, every default filled in)."""
+    from phalanx.config.loader import dump_json, dump_yaml, load_config
+
+    path, overrides = split_config_args(args)
+    config = load_config(path, overrides)
+    print(dump_json(config) if json_out else dump_yaml(config), end="" if not json_out else "\n")
+
+
+@data_app.command("prepare")
+def data_prepare(args: Optional[list[str]] = ArgsArg, json_out: bool = JsonOpt) -> None:
+    """Tokenise the config's corpus into token shards (train the tokenizer first if needed)."""
+    from phalanx.config.loader import load_config
+    from phalanx.train.run_dir import prepare_run
+
+    path, overrides = split_config_args(args)
+    data = prepare_run(load_config(path, overrides), progress=not json_out)
+    report = {"dir": str(data.dir), "tokenizer": str(data.tokenizer_path), "vocab_size": data.vocab_size,
+              "train_tokens": data.train_tokens, "val_tokens": data.val_tokens,
+              "train_shards": len(data.train_shards), "val_shards": len(data.val_shards)}
+    if json_out:
+        print(json.dumps(report))
+    else:
+        _print_table("prepared data", report)
+
+
+@app.command()
+def bench(
+    preset: str = typer.Argument("tiny", help="Model preset: tiny, 125m, 1b, 8b, 70b."),
+    seq_len: int = typer.Option(256, "--seq-len", min=1),
+    micro_batch: int = typer.Option(8, "--micro-batch", min=1),
+    steps: int = typer.Option(10, "--steps", min=1, help="Timed steps (the median is reported)."),
+    warmup: int = typer.Option(3, "--warmup", min=0),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32 or bfloat16."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile each block."),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing"),
+    peak_tflops: Optional[float] = typer.Option(None, "--peak-tflops", help="Device peak, for MFU on CPUs."),
+    json_out: bool = JsonOpt,
+) -> None:
+    """Time forward + backward + optimizer steps of a model preset on this device."""
+    from phalanx.train.bench import run_bench
+
+    if device not in ("auto", "cpu", "cuda") or dtype not in ("auto", "float32", "bfloat16"):
+        raise PhalanxError(f"--device must be auto|cpu|cuda and --dtype auto|float32|bfloat16 (got {device}, {dtype})")
+    result = run_bench(preset, seq_len, micro_batch, steps, warmup, device=device, dtype=dtype, compile=compile,
+                       activation_checkpointing=activation_checkpointing, peak=peak_tflops)
+    if json_out:
+        print(json.dumps(result))
+    else:
+        _print_table(f"bench {preset}", result)
+
+
+def _print_table(title: str, values: dict[str, Any]) -> None:
+    table = Table(title=title, show_header=False)
+    for key, value in values.items():
+        table.add_row(key, _fmt(value))
+    out.print(table)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return "-" if value is None else str(value)
+
+
+def main() -> None:
+    debug = "--debug" in sys.argv[1:] or os.environ.get("PHALANX_DEBUG") == "1"
+    sys.argv = [a for a in sys.argv if a != "--debug"]
+    try:
+        app()
+    except PhalanxError as exc:
+        if debug:
+            raise
+        err.print(Text("error: ", style="bold red") + Text(str(exc)), soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

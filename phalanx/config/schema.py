@@ -1,0 +1,110 @@
+"""The run configuration: one pydantic model per YAML section, every key strictly validated.
+
+`extra="forbid"` everywhere, so a misspelt key is an error rather than a setting silently ignored;
+config/loader.py turns pydantic's errors into one line that suggests the closest valid key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run directory name")
+    dir: Path = Field(Path("runs"), description="root folder of all runs")
+
+
+class ModelSection(Section):
+    """A named preset, with any of its shape fields overridden."""
+
+    preset: str = "tiny"
+    dim: PositiveInt | None = None
+    n_layers: PositiveInt | None = None
+    n_heads: PositiveInt | None = None
+    n_kv_heads: PositiveInt | None = None
+    ffn_dim: PositiveInt | None = None
+    # None: the tokenizer's vocabulary size when training, the preset's elsewhere (bench).
+    vocab_size: PositiveInt | None = None
+    max_seq_len: PositiveInt | None = None
+    rope_theta: float | None = Field(None, gt=0)
+    norm_eps: float | None = Field(None, gt=0)
+    tie_embeddings: bool | None = None
+
+
+class DataSection(Section):
+    sources: list[str] = Field(default_factory=lambda: ["builtin:shakespeare"], min_length=1)
+    # Path to an existing tokenizer.json; None trains a byte-level BPE on the corpus.
+    tokenizer: str | None = None
+    vocab_size: PositiveInt = 4096
+    val_fraction: float = Field(0.05, gt=0, lt=0.5)
+    text_field: str = "text"
+
+
+class TrainSection(Section):
+    max_steps: PositiveInt = 600
+    # End the process cleanly after this step (saving a checkpoint) without touching the schedule.
+    halt_at_step: PositiveInt | None = None
+    seed: int = 1337
+    seq_len: PositiveInt = 256
+    global_batch_size: PositiveInt = 16
+    micro_batch_size: PositiveInt = 16
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(30, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
+    eval_interval: PositiveInt = 100
+    eval_batches: PositiveInt = 8
+    compile: bool = False
+    activation_checkpointing: bool = False
+    # auto: bf16 autocast on GPUs, fp32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Peak TFLOP/s of one device, for MFU where the device is not in the built-in table (CPUs).
+    peak_tflops: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> "TrainSection":
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}"
+            )
+        if self.halt_at_step is not None and self.halt_at_step > self.max_steps:
+            raise ValueError(f"train.halt_at_step={self.halt_at_step} is beyond train.max_steps={self.max_steps}")
+        return self
+
+
+class ParallelSection(Section):
+    # With one process there is nothing to share, and ddp/fsdp leave the model unwrapped.
+    strategy: Literal["none", "ddp", "fsdp"] = "ddp"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class CheckpointSection(Section):
+    interval: PositiveInt = 200
+    keep: PositiveInt = 3
+    # auto: continue from the newest checkpoint in the run directory if there is one.
+    resume: str = Field("auto", description="auto | never | path to a checkpoint directory")
+
+
+class Config(Section):
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.dir / self.run.name

@@ -1,0 +1,77 @@
+"""Parameter and FLOP counts, peak device throughput, and MFU (model FLOPs utilisation)."""
+
+from phalanx.models.llama import ModelArgs
+
+
+def count_params(args: ModelArgs) -> int:
+    """Exact parameter count of Transformer(args), a tied output weight counted once."""
+    d, kv_dim = args.dim, args.n_kv_heads * args.head_dim
+    attention = 2 * d * d + 2 * d * kv_dim  # wq, wo; wk, wv
+    ffn = 3 * d * args.ffn_dim  # w1, w2, w3
+    block = attention + ffn + 2 * d  # and two RMSNorm weights
+    embedding = args.vocab_size * d
+    output = 0 if args.tie_embeddings else args.vocab_size * d
+    return embedding + args.n_layers * block + d + output  # d: the final norm
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token: 6 * N + 12 * n_layers * n_heads * head_dim * seq_len.
+
+    This is PaLM's count (appendix B), also torchtitan's. N is the parameters that take part in matrix
+    multiplies: all of them except the input embedding table, which is a lookup, but including the output
+    projection even when it is tied to that table, since the logits are a real matmul. The second term is
+    attention's QK^T and AV products, counted over the full (not causally halved) seq_len x seq_len square
+    by convention, and without any recomputation from activation checkpointing.
+    """
+    embedding = args.vocab_size * args.dim
+    n_matmul = count_params(args) - embedding + (embedding if args.tie_embeddings else 0)
+    return 6 * n_matmul + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+# Dense (no 2:4 sparsity) bf16 matrix peak, TFLOP/s per device as torch sees it. Keys are lower-case
+# substrings of torch.cuda.get_device_name(); the longest matching key wins, so "h100 pcie" beats "h100".
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    # AMD: the datasheet figure equals CUs x peak engine clock x bf16 FLOPs/clock/CU.
+    "mi355x": 2516.6,  # AMD Instinct MI355X datasheet (256 CU x 2.4 GHz x 4096)
+    "mi350x": 2306.9,  # MI350X: 256 CU x 2.2 GHz x 4096 (datasheet rounds to 2.3 PFLOPs)
+    "mi325x": 1307.4,  # AMD Instinct MI325X datasheet
+    "mi300x": 1307.4,  # AMD Instinct MI300X datasheet (304 CU x 2.1 GHz x 2048)
+    "mi300a": 980.6,  # AMD Instinct MI300A datasheet (228 CU x 2.1 GHz x 2048)
+    # MI250X/MI250 are two GCDs per package and torch lists each GCD as a device, so halve the package
+    # figure. ROCm reports both parts as "AMD Instinct MI250X/MI250"; that name takes the MI250X value.
+    "mi250x": 191.5,  # AMD Instinct MI250X datasheet: 383.0 per package
+    "mi250": 181.05,  # AMD Instinct MI250 datasheet: 362.1 per package
+    "mi210": 181.0,  # AMD Instinct MI210 datasheet
+    # NVIDIA: datasheets quote bf16 "with sparsity"; dense is half of that.
+    "a100": 312.0,  # NVIDIA A100 datasheet (SXM4 and PCIe alike)
+    "h100": 989.4,  # NVIDIA H100 datasheet, SXM5 (torch: "NVIDIA H100 80GB HBM3")
+    "h100 pcie": 756.0,  # NVIDIA H100 datasheet, PCIe
+    "h100 nvl": 835.5,  # NVIDIA H100 NVL datasheet (1671 sparse)
+    "h200": 989.4,  # NVIDIA H200 datasheet, SXM
+    "h200 nvl": 835.5,  # NVIDIA H200 datasheet, NVL
+    "gh200": 989.4,  # NVIDIA GH200 Grace Hopper datasheet
+    "b200": 2250.0,  # NVIDIA HGX B200 datasheet (36 PFLOPs sparse per 8 GPUs)
+    "gb200": 2500.0,  # NVIDIA GB200 NVL72 datasheet (360 PFLOPs sparse per 72 GPUs)
+    "l40s": 362.05,  # NVIDIA L40S datasheet (733 sparse)
+    "l40": 181.05,  # NVIDIA L40 datasheet (362.1 sparse)
+}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """Dense bf16 peak of one device from its torch name, or None when unknown (e.g. "cpu")."""
+    name = device_name.lower()
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # most specific first
+        if key in name:
+            return PEAK_BF16_TFLOPS[key]
+    return None
+
+
+def achieved_tflops(tokens_per_sec: float, flops_per_token: float) -> float:
+    return tokens_per_sec * flops_per_token / 1e12
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, peak_tflops_total: float | None) -> float | None:
+    """Model FLOPs utilisation as a fraction (0.4 means 40%) of the summed peak of all devices used."""
+    if not peak_tflops_total:
+        return None
+    return achieved_tflops(tokens_per_sec, flops_per_token) / peak_tflops_total

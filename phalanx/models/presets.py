@@ -1,0 +1,43 @@
+"""Named model shapes. The Llama ones match Meta's published configs (without Llama 3.1+ RoPE scaling)."""
+
+import difflib
+
+from phalanx.errors import PhalanxError
+from phalanx.models.llama import ModelArgs
+
+MODEL_PRESETS: dict[str, ModelArgs] = {
+    # Small enough to train a few hundred steps on two CPU cores.
+    "tiny": ModelArgs(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
+        vocab_size=4096, max_seq_len=256, rope_theta=10000.0, tie_embeddings=True,
+    ),
+    # GPT-2 small's size; vocab 50304 is GPT-2's 50257 rounded up to a multiple of 128 for fast matmuls.
+    "125m": ModelArgs(
+        dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048,
+        vocab_size=50304, max_seq_len=2048, rope_theta=10000.0, tie_embeddings=True,
+    ),
+    # Llama 3.2 1B.
+    "1b": ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+        vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True,
+    ),
+    # Llama 3 8B.
+    "8b": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
+    ),
+    # Llama 3 70B.
+    "70b": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+        vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
+    ),
+}
+
+
+def get_preset(name: str) -> ModelArgs:
+    if name in MODEL_PRESETS:
+        return MODEL_PRESETS[name]
+    valid = ", ".join(MODEL_PRESETS)
+    close = difflib.get_close_matches(name.lower(), MODEL_PRESETS, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise PhalanxError(f"unknown model preset '{name}': {hint}valid presets are {valid}")

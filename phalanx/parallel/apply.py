@@ -1,0 +1,62 @@
+"""Apply activation checkpointing, torch.compile and DDP / FSDP2 to a single-device model from outside.
+
+Order follows torchtitan: activation checkpointing wraps each block, compile works per block (in place,
+so parameter names do not change), then data parallelism wraps the blocks and the root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from phalanx.parallel.distributed import DistEnv
+
+
+def parallelize(model: nn.Module, strategy: str, env: DistEnv, *, activation_checkpointing: bool,
+                compile: bool, dtype: torch.dtype) -> nn.Module:
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    if compile:
+        for block in model.layers:
+            block.compile()
+    if not env.distributed:
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [env.device.index] if env.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # FSDP casts parameters itself, so the trainer skips autocast under fsdp; gradients reduce in fp32.
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model
+    raise ValueError(f"unknown parallel strategy {strategy!r}")
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce / reduce-scatter on all but the last micro-batch of a step."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield

@@ -1,0 +1,61 @@
+"""Which device and collective backend this process uses, vendor-neutral.
+
+`torch.cuda` drives both NVIDIA (CUDA) and AMD (ROCm/HIP) builds of PyTorch; `torch.version.hip` tells
+them apart, and the `nccl` backend is RCCL on ROCm.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from phalanx.errors import PhalanxError
+
+
+def pick_device(preference: str, local_rank: int = 0) -> torch.device:
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise PhalanxError("parallel.device=cuda but this torch build sees no GPU (torch.cuda.is_available() is False)")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise PhalanxError(f"local rank {local_rank} has no GPU: this node has {count}; use --nproc {count} or fewer")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def pick_backend(preference: str, device: torch.device) -> str:
+    if preference != "auto":
+        if preference == "nccl" and device.type != "cuda":
+            raise PhalanxError("parallel.backend=nccl needs GPUs; use gloo (or auto) on CPU")
+        return preference
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def compute_dtype(preference: str, device: torch.device) -> torch.dtype:
+    """bf16 autocast on GPUs, fp32 on CPU (CPU bf16 matmuls are slow on most hosts)."""
+    if preference == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, preference)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def gpu_vendor() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    return "rocm" if torch.version.hip else "cuda"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocator peak on GPUs, resident set peak on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB

@@ -1,0 +1,131 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): one directory per save, named by step.
+
+Layout of `RUN_DIR/checkpoints/step_00000200/`:
+  DCP files        model and optimizer state, sharded the way they live in memory (DDP or FSDP2)
+  rng_rank{R}.pt   each rank's torch RNG states
+  trainer.json     step, loader position, model shape and anything else the loop needs to go on
+
+A save is written under a hidden temporary name and renamed once every rank has finished, so a partial
+save never looks like a checkpoint; only the newest `keep` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from phalanx.errors import PhalanxError
+from phalanx.parallel.distributed import DistEnv, barrier
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+TRAINER_STATE = "trainer.json"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / TRAINER_STATE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / TRAINER_STATE).read_text())
+    except FileNotFoundError:
+        raise PhalanxError(f"{path} is not a phalanx checkpoint (no {TRAINER_STATE})") from None
+    except json.JSONDecodeError:
+        raise PhalanxError(f"checkpoint {path} is corrupt: {TRAINER_STATE} is not valid JSON") from None
+
+
+def check_model_shape(path: Path, model_args: dict[str, Any]) -> None:
+    """Refuse a checkpoint written by a model of another shape, naming the fields that differ."""
+    saved = read_trainer_state(path).get("model_args", {})
+    diffs = [f"{k} {saved.get(k)} != {v}" for k, v in model_args.items() if saved.get(k) != v]
+    if diffs:
+        raise PhalanxError(f"checkpoint {path} is from a different model shape ({'; '.join(diffs)}); "
+                           "use another run.name or checkpoint.resume=never")
+
+
+class Checkpointer:
+    def __init__(self, root: Path, keep: int, env: DistEnv):
+        self.root, self.keep, self.env = root, keep, env
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
+        final = self.root / f"step_{step:08d}"
+        tmp = self.root / f".tmp-step_{step:08d}"
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died half-way
+            tmp.mkdir(parents=True)
+        barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        torch.save(_rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
+        if self.env.is_main:
+            (tmp / TRAINER_STATE).write_text(json.dumps({**state, "step": step}, indent=1))
+        barrier()
+        if self.env.is_main:
+            shutil.rmtree(final, ignore_errors=True)
+            _fsync_tree(tmp)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.root)[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier()
+        return final
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        state = read_trainer_state(path)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        try:
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        except Exception as exc:  # DCP raises many types for truncated or foreign files
+            raise PhalanxError(f"cannot load checkpoint {path}: {str(exc).splitlines()[0]}") from exc
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        rng_file = path / f"rng_rank{self.env.rank}.pt"
+        if rng_file.is_file():  # absent when resuming on more ranks than saved: fresh seeds then
+            _set_rng_state(torch.load(rng_file, weights_only=True), self.env.device)
+        return state
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Only the model's weights, into a plain single-device model (generate, export, serve)."""
+    model_sd = model.state_dict()
+    try:
+        dcp.load({"model": model_sd}, checkpoint_id=path)
+    except Exception as exc:
+        raise PhalanxError(f"cannot load checkpoint {path}: {str(exc).splitlines()[0]}") from exc
+    model.load_state_dict(model_sd)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush the files before the rename publishes them, so a crash cannot leave a named but empty save."""
+    for f in folder.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())

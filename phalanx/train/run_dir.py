@@ -1,0 +1,49 @@
+"""What lives in a run directory, and preparing one before any rank starts.
+
+RUN_DIR/
+  config.yaml      the resolved config (repeat, resume, export or serve from it)
+  tokenizer.json   the run's tokenizer
+  data.json        where the prepared token shards are (a content-addressed cache shared by runs)
+  metrics.jsonl    one JSON object per step
+  summary.json     the last summary of `phalanx train`
+  checkpoints/     step_XXXXXXXX/ directories
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from phalanx.config.loader import save_resolved
+from phalanx.config.schema import Config
+from phalanx.data.prepare import PreparedData, prepare_data
+from phalanx.errors import PhalanxError
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def data_cache_dir(config: Config) -> Path:
+    return config.run.dir / ".cache" / "data"
+
+
+def prepare_run(config: Config, progress: bool = True) -> PreparedData:
+    """Create the run directory, save the resolved config, tokenise the corpus (or reuse the cache)."""
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(config, run_dir)
+    d = config.data
+    data = prepare_data(d.sources, Path.cwd(), data_cache_dir(config), d.vocab_size, d.tokenizer,
+                        d.val_fraction, d.text_field, progress=progress)
+    shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.json")
+    (run_dir / "data.json").write_text(json.dumps({"prepared": str(data.dir)}))
+    return data
+
+
+def prepared_data(run_dir: Path) -> PreparedData:
+    try:
+        return PreparedData.load(Path(json.loads((run_dir / "data.json").read_text())["prepared"]))
+    except FileNotFoundError:
+        raise PhalanxError(f"{run_dir} has no prepared data; run `phalanx data prepare` or `phalanx train`") from None

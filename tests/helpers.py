@@ -1,0 +1,33 @@
+"""Helpers for tests that run the real `phalanx` CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def phalanx(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the real `phalanx` CLI in a fresh process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "phalanx", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"phalanx {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def train_json(*args: str) -> dict:
+    proc = phalanx("train", *args, "--json")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """The last logged training loss of each step (a resumed run appends)."""
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
