@@ -58,6 +58,7 @@ def train(
 ) -> None:
     """Train (or resume) the run a config describes; with no arguments, the built-in Shakespeare demo."""
     from phalanx.config.loader import load_config
+    from phalanx.data.loader import check_batch_sizes
     from phalanx.launch.local import LaunchSpec, launch
     from phalanx.train.run_dir import prepare_run
     from phalanx.train.trainer import SUMMARY_FILE, check_resume_compatible
@@ -68,6 +69,8 @@ def train(
     spec = LaunchSpec(nproc, nnodes, node_rank, rdzv_endpoint)
     if not spec.single_process and config.parallel.strategy == "none":
         raise PhalanxError("parallel.strategy=none runs one process; set parallel.strategy=ddp or fsdp for --nproc")
+    if spec.world_size:
+        check_batch_sizes(config.train.global_batch_size, config.train.micro_batch_size, spec.world_size)
     data = prepare_run(config, progress=not json_out)
     check_resume_compatible(config, data)
     if spec.single_process:

@@ -61,6 +61,20 @@ class TokenDataset:
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_world: int) -> None:
+    """Each global batch must split evenly into micro batches on every data-parallel rank."""
+    if global_batch_size < 1 or micro_batch_size < 1:
+        raise PhalanxError(
+            f"train.global_batch_size ({global_batch_size}) and train.micro_batch_size ({micro_batch_size}) "
+            "must be positive"
+        )
+    if global_batch_size % (dp_world * micro_batch_size):
+        raise PhalanxError(
+            f"train.global_batch_size ({global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({micro_batch_size}) x {dp_world} data-parallel ranks = {dp_world * micro_batch_size}"
+        )
+
+
 class BatchLoader:
     def __init__(
         self,
@@ -77,16 +91,7 @@ class BatchLoader:
             raise ValueError(f"loader seq_len {seq_len} differs from the dataset's {dataset.seq_len}")
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_world {dp_world}")
-        if global_batch_size < 1 or micro_batch_size < 1:
-            raise PhalanxError(
-                f"train.global_batch_size ({global_batch_size}) and train.micro_batch_size ({micro_batch_size}) "
-                "must be positive"
-            )
-        if global_batch_size % (dp_world * micro_batch_size):
-            raise PhalanxError(
-                f"train.global_batch_size ({global_batch_size}) must be a multiple of train.micro_batch_size "
-                f"({micro_batch_size}) x {dp_world} data-parallel ranks = {dp_world * micro_batch_size}"
-            )
+        check_batch_sizes(global_batch_size, micro_batch_size, dp_world)
         self.dataset, self.seq_len, self.seed = dataset, seq_len, seed
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_world = dp_rank, dp_world

@@ -16,6 +16,11 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
 
     @property
+    def world_size(self) -> int | None:
+        """Total ranks, or None for an elastic range of nodes (known only at rendezvous)."""
+        return self.nproc * int(self.nnodes) if self.nnodes.isdigit() else None
+
+    @property
     def single_process(self) -> bool:
         return self.nproc == 1 and self.nnodes == "1"
 

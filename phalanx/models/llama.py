@@ -95,6 +95,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
+    # Cast the tables to q/k's dtype (HF casts them to the activations' dtype): under bf16 autocast the
+    # projections are bf16, and float32 tables would promote q and k, and so attention, to float32.
+    cos_TE, sin_TE = cos_TE.to(x_BNTE.dtype), sin_TE.to(x_BNTE.dtype)
     return x_BNTE * cos_TE + rotate_half(x_BNTE) * sin_TE
 
 
@@ -220,9 +223,7 @@ class Transformer(nn.Module):
             raise PhalanxError(f"sequence of {end} tokens exceeds the KV cache length {cache.max_len}")
 
         x_BTD = self.tok_embeddings(tokens_BT)
-        # HF computes cos/sin in float32 and casts them to the activations' dtype; do the same.
-        cos_TE = self.rope_cos[start_pos:end].to(x_BTD.dtype)
-        sin_TE = self.rope_sin[start_pos:end].to(x_BTD.dtype)
+        cos_TE, sin_TE = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
         for i, layer in enumerate(self.layers):
             x_BTD = layer(x_BTD, cos_TE, sin_TE, cache.layer(i) if cache is not None else None, start_pos)
         return self.output(self.norm(x_BTD))

@@ -15,16 +15,21 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from phalanx.errors import PhalanxError
 from phalanx.parallel.distributed import DistEnv, barrier
+
+# DCP warns on every single-process save/load; one process without a group is a normal way to run here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TRAINER_STATE = "trainer.json"
@@ -92,8 +97,8 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         try:
             dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-        except Exception as exc:  # DCP raises many types for truncated or foreign files
-            raise PhalanxError(f"cannot load checkpoint {path}: {str(exc).splitlines()[0]}") from exc
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise PhalanxError(f"cannot load checkpoint {path}: {_first_line(exc)}") from exc
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         rng_file = path / f"rng_rank{self.env.rank}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than saved: fresh seeds then
@@ -106,8 +111,8 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     model_sd = model.state_dict()
     try:
         dcp.load({"model": model_sd}, checkpoint_id=path)
-    except Exception as exc:
-        raise PhalanxError(f"cannot load checkpoint {path}: {str(exc).splitlines()[0]}") from exc
+    except (Exception, CheckpointException) as exc:
+        raise PhalanxError(f"cannot load checkpoint {path}: {_first_line(exc)}") from exc
     model.load_state_dict(model_sd)
 
 
@@ -129,3 +134,13 @@ def _fsync_tree(folder: Path) -> None:
     for f in folder.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
+
+
+def _first_line(exc: BaseException) -> str:
+    """DCP wraps each rank's (exception, traceback) into its message; the root cause is what a user needs."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        cause = next(iter(failures.values()))[0]
+        return f"{type(cause).__name__} {cause}".strip() + " (truncated or corrupt file?)"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

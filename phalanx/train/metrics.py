@@ -55,6 +55,7 @@ class ProgressLine:
             transient=False,
         )
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+        self._enabled = enabled
 
     def __enter__(self) -> "ProgressLine":
         self._progress.start()
@@ -70,7 +71,8 @@ class ProgressLine:
         self._progress.update(self._task, completed=step, info=info)
 
     def log(self, message: str) -> None:
-        self._progress.console.print(message)
+        if self._enabled:
+            self._progress.console.print(message)
 
 
 def finite_or_none(x: float | None) -> float | None:

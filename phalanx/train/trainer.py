@@ -63,7 +63,8 @@ def _train(config: Config, env: DistEnv, show_progress: bool) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
 
     loader = BatchLoader(TokenDataset(data.train_shards, tc.seq_len), tc.seq_len, tc.global_batch_size,
-                         tc.micro_batch_size, env.rank, env.world_size, tc.seed)
+                         tc.micro_batch_size, env.rank, env.world_size, tc.seed,
+                         pin_memory=env.device.type == "cuda")
     evaluator = Evaluator(TokenDataset(data.val_shards, tc.seq_len), tc, env, autocast)
     checkpointer = Checkpointer(checkpoints_dir(run_dir), config.checkpoint.keep, env)
 
