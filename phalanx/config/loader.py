@@ -27,7 +27,11 @@ def preset_names() -> list[str]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The validated config from a YAML file (or the demo preset when None) plus overrides."""
-    raw = _read_with_extends(_locate(str(path) if path else DEFAULT_PRESET, Path.cwd()), seen=())
+    source = _locate(str(path) if path else DEFAULT_PRESET, Path.cwd())
+    raw = _read_with_extends(source, seen=())
+    if isinstance(raw.get("run", {}), dict):
+        # A run is named after its config file unless the file chain names it: my.yaml -> runs/my.
+        raw.setdefault("run", {}).setdefault("name", source.stem)
     for item in overrides:
         _apply_override(raw, item)
     return validate(raw)

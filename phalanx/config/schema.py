@@ -17,7 +17,8 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run directory name")
+    # The loader fills in the config file's name (`demo` for the built-in demo) when none is given.
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run directory name")
     dir: Path = Field(Path("runs"), description="root folder of all runs")
 
 
@@ -48,7 +49,7 @@ class DataSection(Section):
 
 
 class TrainSection(Section):
-    max_steps: PositiveInt = 600
+    max_steps: PositiveInt = 250
     # End the process cleanly after this step (saving a checkpoint) without touching the schedule.
     halt_at_step: PositiveInt | None = None
     seed: int = 1337
@@ -57,12 +58,12 @@ class TrainSection(Section):
     micro_batch_size: PositiveInt = 16
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(30, ge=0)
+    warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
-    eval_interval: PositiveInt = 100
+    eval_interval: PositiveInt = 50
     eval_batches: PositiveInt = 8
     compile: bool = False
     activation_checkpointing: bool = False
@@ -91,7 +92,7 @@ class ParallelSection(Section):
 
 
 class CheckpointSection(Section):
-    interval: PositiveInt = 200
+    interval: PositiveInt = 125
     keep: PositiveInt = 3
     # auto: continue from the newest checkpoint in the run directory if there is one.
     resume: str = Field("auto", description="auto | never | path to a checkpoint directory")

@@ -26,7 +26,7 @@ def test_extends_preset_and_file_chain_with_deep_merge(tmp_path):
     config = load_config(child)
     assert config.train.max_steps == 50  # from base
     assert config.train.lr == 2e-3  # child wins
-    assert config.run.name == "demo"  # from the preset at the root of the chain
+    assert config.model.preset == "tiny"  # from the preset at the root of the chain
 
 
 def test_overrides_parse_yaml_values(tmp_path):
@@ -61,7 +61,7 @@ def test_wrong_type_names_key_value_and_expectation():
 def test_cross_field_checks():
     with pytest.raises(PhalanxError, match="global_batch_size=10 is not a multiple of train.micro_batch_size=4"):
         load_config(None, ["train.global_batch_size=10", "train.micro_batch_size=4"])
-    with pytest.raises(PhalanxError, match="halt_at_step=900 is beyond train.max_steps=600"):
+    with pytest.raises(PhalanxError, match="halt_at_step=900 is beyond train.max_steps=250"):
         load_config(None, ["train.halt_at_step=900"])
 
 
@@ -96,3 +96,10 @@ def test_resolved_config_round_trips(tmp_path):
     again = load_config(saved)
     assert again == config
     assert json.loads(json.dumps(again.model_dump(mode="json")))["train"]["max_steps"] == 7
+
+
+def test_run_is_named_after_its_config_file(tmp_path):
+    assert load_config(write(tmp_path / "my-exp.yaml", {"extends": "demo"})).run.name == "my-exp"
+    named = write(tmp_path / "other.yaml", {"run": {"name": "kept"}})
+    assert load_config(named).run.name == "kept"
+    assert load_config(named, ["run.name=cli"]).run.name == "cli"
