@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 
-def phalanx(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+def phalanx(*args: str, timeout: float = 600, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run the real `phalanx` CLI in a fresh process."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "phalanx", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=env, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"phalanx {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc

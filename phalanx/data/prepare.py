@@ -168,9 +168,11 @@ def _write_shards(token_docs: Iterator[np.ndarray], dir: Path, vocab_size: int, 
 def _progress(enabled: bool):
     if not enabled:
         return nullcontext(None)
+    from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    return Progress(*columns, transient=True, console=Console(stderr=True))  # stdout stays for results
 
 
 def _counting(docs: Iterator[str], bar, label: str) -> Iterator[str]:

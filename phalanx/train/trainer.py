@@ -39,6 +39,7 @@ def train(config: Config, show_progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the configured training on this rank; returns the run summary."""
     env = init_distributed(config.parallel.strategy, config.parallel.backend, config.parallel.device)
     try:
+        # Model and optimizer live only inside _train, so they are released before the group is destroyed.
         return _train(config, env, show_progress)
     finally:
         teardown()
@@ -150,7 +151,6 @@ def _train(config: Config, env: DistEnv, show_progress: bool) -> dict[str, Any]:
     }
     if env.is_main:
         (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
-    del model, optimizer, params  # before the process group goes (see parallel.distributed.teardown)
     return summary
 
 

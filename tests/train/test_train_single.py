@@ -86,3 +86,15 @@ def test_partial_checkpoint_is_ignored(tiny_args):
     resumed = train_json(*tiny_args, "train.max_steps=6")
     assert resumed["steps"] == 6
     assert json.loads((Path(root) / "step_00000006" / "trainer.json").read_text())["step"] == 6
+
+
+def test_activation_checkpointing_and_compile_train_save_and_generate(tiny_args):
+    """Both wrap the blocks; checkpoints must still load into the plain model that generate builds."""
+    plain = train_json(*tiny_args, "train.max_steps=4")
+    name = plain["run_dir"].rsplit("/", 1)[-1]
+    wrapped_args = [a for a in tiny_args if not a.startswith("run.name=")] + [f"run.name={name}-wrapped"]
+    wrapped = train_json(*wrapped_args, "train.max_steps=4", "train.activation_checkpointing=true",
+                         "train.compile=true")
+    a, b = losses_by_step(plain["run_dir"]), losses_by_step(wrapped["run_dir"])
+    assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-4 for s in a)
+    assert phalanx("generate", wrapped["run_dir"], "ROMEO:", "--max-new-tokens", "5").stdout.startswith("ROMEO:")
