@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 
-def phalanx(*args: str, timeout: float = 600, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def phalanx(*args: str, timeout: float = 600, check: bool = True,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run the real `phalanx` CLI in a fresh process."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "phalanx", *args], capture_output=True, text=True,

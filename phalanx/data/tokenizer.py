@@ -60,14 +60,6 @@ def special_ids(tokenizer: Tokenizer, where: str | Path = "tokenizer") -> tuple[
     return bos, eos
 
 
-def bos_id(tokenizer: Tokenizer) -> int:
-    return special_ids(tokenizer)[0]
-
-
-def eos_id(tokenizer: Tokenizer) -> int:
-    return special_ids(tokenizer)[1]
-
-
 def encode_documents(tokenizer: Tokenizer, documents: Iterable[str], chunk_size: int = 64) -> Iterator[np.ndarray]:
     """Yield one uint32 array per document: [BOS] + ids + [EOS]. encode_batch runs a chunk of documents
     in parallel in Rust, which is several times faster than encoding them one by one."""

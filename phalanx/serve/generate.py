@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from phalanx.data.tokenizer import load_tokenizer
+from phalanx.data.tokenizer import load_tokenizer, special_ids
 from phalanx.errors import PhalanxError
 from phalanx.models.llama import ModelArgs, Transformer
 from phalanx.models.sampling import generate
@@ -42,7 +42,7 @@ def generate_text(loaded: LoadedModel, prompt: str, max_new_tokens: int, tempera
                   top_k: int | None, seed: int | None) -> str:
     """The prompt followed by what the model writes after it (up to its end-of-text token)."""
     tok = loaded.tokenizer
-    bos, eos = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|end_of_text|>")
+    bos, eos = special_ids(tok)
     prompt_ids = [bos] + tok.encode(prompt).ids
     new_ids = generate(loaded.model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
                        eos_id=eos)

@@ -6,26 +6,24 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from phalanx.config.schema import TrainSection
-from phalanx.data.loader import TokenDataset
+from phalanx.data.loader import TokenDataset, val_batches
 from phalanx.parallel.distributed import DistEnv, all_reduce_sum
 
 
 class Evaluator:
     def __init__(self, dataset: TokenDataset, train: TrainSection, env: DistEnv,
                  autocast: Callable[[], AbstractContextManager]):
-        total = min(len(dataset), train.eval_batches * train.micro_batch_size)
-        mine = range(env.rank, total, env.world_size)  # strided: the union over ranks is the fixed set
-        windows = torch.from_numpy(np.stack([dataset.window(i) for i in mine]).astype(np.int64)) if mine else None
-        self.batches = [] if windows is None else [
-            (w[:, :-1].to(env.device), w[:, 1:].to(env.device)) for w in windows.split(train.micro_batch_size)]
-        # Every rank runs the same number of forwards: FSDP all-gathers parameters inside each one.
-        self.forwards = math.ceil(math.ceil(total / env.world_size) / train.micro_batch_size)
+        self.batches = [(x.to(env.device), y.to(env.device)) for x, y in val_batches(
+            dataset, train.seq_len, train.micro_batch_size, train.eval_batches, env.rank, env.world_size)]
+        # Ranks may hold unequal numbers of batches, yet all must run the same number of forwards: FSDP
+        # all-gathers parameters inside each one. Ranks short of batches run a throw-away forward.
+        windows = min(len(dataset), train.eval_batches * train.micro_batch_size)
+        self.forwards = math.ceil(math.ceil(windows / train.micro_batch_size) / env.world_size)
         self.dummy = torch.zeros(1, train.seq_len, dtype=torch.long, device=env.device)
         self.device, self.autocast = env.device, autocast
 

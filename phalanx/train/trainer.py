@@ -55,8 +55,8 @@ def _train(config: Config, env: DistEnv, show_progress: bool) -> dict[str, Any]:
     model = Transformer(args).to(env.device)  # built on CPU first: the same weights on any device
     dtype = compute_dtype(tc.dtype, env.device)
     fsdp = env.distributed and config.parallel.strategy == "fsdp"
-    model = parallelize(model, config.parallel.strategy, env, activation_checkpointing=tc.activation_checkpointing,
-                        compile=tc.compile, dtype=dtype)
+    model = parallelize(model, config.parallel.strategy, env,
+                        activation_checkpointing=tc.activation_checkpointing, compile=tc.compile, dtype=dtype)
     # Under FSDP the mixed-precision policy casts parameters; elsewhere autocast does.
     use_autocast = dtype != torch.float32 and not fsdp
     autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
@@ -80,6 +80,14 @@ def _train(config: Config, env: DistEnv, show_progress: bool) -> dict[str, Any]:
     tokens_per_step = tc.global_batch_size * tc.seq_len
     fpt = flops_per_token(args, tc.seq_len)
     peak = tc.peak_tflops or peak_tflops(device_name(env.device))
+
+    def device_rates(tokens_per_sec: float | None) -> dict[str, float | None]:
+        """Achieved TFLOP/s and MFU of one device, from the global token rate."""
+        if not tokens_per_sec:
+            return {"achieved_tflops": None, "mfu": None}
+        per_device = tokens_per_sec / env.world_size
+        return {"achieved_tflops": achieved_tflops(per_device, fpt), "mfu": mfu(per_device, fpt, peak)}
+
     sink = JsonlSink(run_dir / "metrics.jsonl") if env.is_main else NullSink()
     progress = ProgressLine(tc.max_steps, start_step, enabled=show_progress and env.is_main)
 
@@ -120,11 +128,9 @@ def _train(config: Config, env: DistEnv, show_progress: bool) -> dict[str, Any]:
                 timed_steps, timed_seconds = timed_steps + 1, timed_seconds + step_seconds
 
             tps = tokens_per_step / step_seconds
-            tflops = achieved_tflops(tps / env.world_size, fpt)
             record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm.item(),
-                      "tokens_per_sec": tps, "achieved_tflops": tflops, "mfu": mfu(tps / env.world_size, fpt, peak),
-                      "peak_mem_gib": peak_memory_gib(env.device), "step_seconds": step_seconds,
-                      "tokens_seen": step * tokens_per_step}
+                      "tokens_per_sec": tps, **device_rates(tps), "peak_mem_gib": peak_memory_gib(env.device),
+                      "step_seconds": step_seconds, "tokens_seen": step * tokens_per_step}
             if step % tc.eval_interval == 0 or step == tc.max_steps:
                 val_loss = record["val_loss"] = evaluator.loss(model)
                 progress.log(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}")
@@ -141,11 +147,10 @@ def _train(config: Config, env: DistEnv, show_progress: bool) -> dict[str, Any]:
 
     steps_done = max(start_step, end_step)
     tps = tokens_per_step * timed_steps / timed_seconds if timed_steps else None
-    tflops = achieved_tflops(tps / env.world_size, fpt) if tps else None
     summary = {
         "run_dir": str(run_dir), "steps": steps_done, "tokens_seen": steps_done * tokens_per_step,
         "val_loss_start": val_loss_start, "val_loss_final": val_loss, "train_loss_final": train_loss,
-        "tokens_per_sec": tps, "achieved_tflops": tflops, "mfu": mfu(tps / env.world_size, fpt, peak) if tps else None,
+        "tokens_per_sec": tps, **device_rates(tps),
         "last_checkpoint": last_checkpoint, "wall_seconds": time.perf_counter() - started,
         "halted": tc.halt_at_step is not None and steps_done < tc.max_steps,
     }

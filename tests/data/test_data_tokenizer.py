@@ -8,10 +8,9 @@ from phalanx.data.tokenizer import (
     EOS,
     MIN_VOCAB_SIZE,
     SPECIAL_TOKENS,
-    bos_id,
     encode_documents,
-    eos_id,
     load_tokenizer,
+    special_ids,
     train_tokenizer,
 )
 from phalanx.errors import PhalanxError
@@ -30,7 +29,7 @@ def tokenizer():
 
 def test_special_tokens_have_ids_zero_and_one(tokenizer):
     assert SPECIAL_TOKENS == ["<|begin_of_text|>", "<|end_of_text|>"]
-    assert (bos_id(tokenizer), eos_id(tokenizer)) == (0, 1)
+    assert special_ids(tokenizer) == (0, 1)
     assert 258 < tokenizer.get_vocab_size() <= 400  # learnt some merges beyond bytes + specials
 
 
