@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,28 +61,26 @@ def train(
     from phalanx.config.loader import load_config
     from phalanx.data.loader import check_batch_sizes
     from phalanx.launch.local import LaunchSpec, launch
-    from phalanx.train.run_dir import prepare_run
+    from phalanx.safe.goodput import run_report
+    from phalanx.train.run_dir import prepare_run, read_metrics
     from phalanx.train.trainer import SUMMARY_FILE, check_resume_compatible
-    from phalanx.train.trainer import train as run_training
 
+    started = time.time()
     path, overrides = split_config_args(args)
     config = load_config(path, overrides)
     spec = LaunchSpec(nproc, nnodes, node_rank, rdzv_endpoint)
-    if not spec.single_process and config.parallel.strategy == "none":
+    if spec.world_size != 1 and config.parallel.strategy == "none":
         raise PhalanxError("parallel.strategy=none runs one process; set parallel.strategy=ddp or fsdp for --nproc")
     if spec.world_size:
         check_batch_sizes(config.train.global_batch_size, config.train.micro_batch_size, spec.world_size)
     data = prepare_run(config, progress=not json_out)
     check_resume_compatible(config, data)
-    if spec.single_process:
-        summary = run_training(config, show_progress=True)
-    else:
-        code = launch(spec, config.run_dir / "config.yaml", show_progress=True)
-        if code:
-            raise typer.Exit(code)
-        if node_rank != 0:
-            return
-        summary = json.loads((config.run_dir / SUMMARY_FILE).read_text())
+    launch(spec, config, show_progress=True)
+    if node_rank != 0:
+        return
+    summary = json.loads((config.run_dir / SUMMARY_FILE).read_text())
+    summary.update(run_report(config.run_dir, read_metrics(config.run_dir), started, time.time()))
+    (config.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
     if json_out:
         print(json.dumps(summary))
     else:
@@ -166,6 +165,8 @@ def _print_table(title: str, values: dict[str, Any]) -> None:
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items()) or "-"
     if isinstance(value, float):
         return f"{value:,.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
     return "-" if value is None else str(value)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import difflib
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from phalanx.config.schema import Config
 from phalanx.errors import PhalanxError
@@ -140,9 +141,13 @@ def _describe(error: dict[str, Any]) -> str:
 
 
 def _valid_keys(section_path: list[str]) -> list[str]:
-    model: type[BaseModel] = Config
+    model: Any = Config
     for part in section_path:
-        model = model.model_fields[part].annotation  # type: ignore[assignment]
+        if part.isdigit():  # an item of a list section, such as safe.inject.0
+            continue
+        model = model.model_fields[part].annotation
+        if typing.get_origin(model) is list:
+            model = typing.get_args(model)[0]
     keys = list(model.model_fields)
     return keys + ["extends"] if model is Config else keys
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
 
 class Section(BaseModel):
@@ -98,6 +98,42 @@ class CheckpointSection(Section):
     resume: str = Field("auto", description="auto | never | path to a checkpoint directory")
 
 
+class FaultSpec(Section):
+    """One injected fault, for drills and tests. Fires once per run unless `repeat` is set."""
+
+    fault: Literal["kill", "hang", "slow", "nan", "corrupt_checkpoint", "fail_save"]
+    rank: NonNegativeInt = 0
+    step: PositiveInt = 1
+    ms: NonNegativeInt = 0  # for `slow`: added to every step of that rank from `step` on
+    # for `hang`: where the rank blocks; `collective` blocks it inside an all-reduce its peers never join
+    phase: Literal["forward", "collective"] = "forward"
+    repeat: bool = False  # fire on every attempt (crash-loop drills)
+
+
+class SafeSection(Section):
+    """Keeping a run alive: supervision, hang and straggler detection, recovery, numerics guard."""
+
+    max_restarts: NonNegativeInt = 3
+    # This many restarts in a row without a newer checkpoint is a crash loop: stop, exit code 3.
+    crash_loop_restarts: PositiveInt = 3
+    heartbeats: bool = True
+    hang_timeout_s: float | None = Field(None, gt=0, description="fixed; null calibrates from step times")
+    hang_multiplier: float = Field(10.0, gt=1)
+    hang_floor_s: float = Field(60.0, gt=0)
+    startup_timeout_s: float = Field(600.0, gt=0)
+    checkpoint_timeout_s: float = Field(900.0, gt=0)
+    eval_timeout_s: float = Field(600.0, gt=0)
+    numerics: Literal["rollback", "skip", "off"] = "rollback"
+    spike_zscore: float = Field(6.0, gt=0)
+    spike_window: int = Field(100, ge=10)
+    straggler_threshold: float = Field(0.75, gt=0, lt=1)
+    straggler_window: NonNegativeInt = Field(20, description="steps per straggler check; 0 disables it")
+    # A rank is only a straggler when it also loses at least this much per step: on tiny steps the
+    # scheduling noise of a busy host alone moves the score below the threshold.
+    straggler_min_ms: float = Field(10.0, ge=0)
+    inject: list[FaultSpec] = Field(default_factory=list)
+
+
 class Config(Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -105,6 +141,7 @@ class Config(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    safe: SafeSection = Field(default_factory=SafeSection)
 
     @property
     def run_dir(self) -> Path:

@@ -1,11 +1,25 @@
-"""Start the ranks of a run through torch's own elastic launcher (the machinery of `torchrun`)."""
+"""Start a node's ranks under the phalanx node agent (torch's elastic agent, see phalanx/safe/agent.py).
+
+This is what `torchrun` does, with our agent in place of torch's: c10d rendezvous (a free local port
+for one node; `--rdzv-endpoint` shared by every node otherwise), one process per local rank running
+`python -m phalanx.train.worker`, restarts up to `safe.max_restarts`.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from phalanx.errors import PhalanxError
+from phalanx.config.schema import Config
+from phalanx.errors import PhalanxError, RestartsExhaustedError
+from phalanx.safe.events import JsonlEventSink
+from phalanx.safe.heartbeat import ENV_FILE, HeartbeatBoard
+from phalanx.train.checkpoint import checkpoint_step, latest_checkpoint
+from phalanx.train.run_dir import checkpoints_dir
 
 
 @dataclass(frozen=True)
@@ -20,29 +34,65 @@ class LaunchSpec:
         """Total ranks, or None for an elastic range of nodes (known only at rendezvous)."""
         return self.nproc * int(self.nnodes) if self.nnodes.isdigit() else None
 
-    @property
-    def single_process(self) -> bool:
-        return self.nproc == 1 and self.nnodes == "1"
+    def node_range(self) -> tuple[int, int]:
+        low, _, high = self.nnodes.partition(":")
+        try:
+            return int(low), int(high or low)
+        except ValueError:
+            raise PhalanxError(f"--nnodes must be N or MIN:MAX, not {self.nnodes!r}") from None
 
 
-def launch(spec: LaunchSpec, config_path: Path, show_progress: bool) -> int:
-    """Run `phalanx.train.worker` on `spec.nproc` local ranks; returns the first failing rank's exit code."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+def launch(spec: LaunchSpec, config: Config, show_progress: bool) -> None:
+    """Run the training on this node's ranks until it succeeds, or raise why it could not."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-    args = [f"--nproc-per-node={spec.nproc}", f"--nnodes={spec.nnodes}", f"--node-rank={spec.node_rank}"]
+    from phalanx.safe.agent import PhalanxAgent
+
+    min_nodes, max_nodes = spec.node_range()
     if spec.rdzv_endpoint:
-        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}"]
-    elif spec.nnodes == "1":
-        args += ["--standalone"]  # a free local port instead of a fixed 29500: parallel runs don't collide
+        endpoint, run_id = spec.rdzv_endpoint, config.run.name  # every node derives the same id
+    elif max_nodes == 1:
+        endpoint, run_id = "localhost:0", uuid.uuid4().hex  # a free port: parallel runs never collide
     else:
         raise PhalanxError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
-    args += ["--module", "phalanx.train.worker", str(config_path)]
+    rdzv = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
+                                max_nodes=max_nodes)
+    if spec.nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks must not fight over the cores
+    # The agent's shared TCPStore keeps the previous attempt's keys, so restarted ranks can read a dead
+    # peer's address and fail to connect (pytorch/pytorch#135712); a fresh store per attempt avoids it.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    args = ["-m", "phalanx.train.worker", str(config.run_dir / "config.yaml")]
     if not show_progress:
         args.append("--no-progress")
+    worker_spec = WorkerSpec(role="trainer", local_world_size=spec.nproc, entrypoint=sys.executable,
+                             args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv),
+                             max_restarts=config.safe.max_restarts, monitor_interval=0.1)
+    board = None
+    if config.safe.heartbeats:
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        fd, path = tempfile.mkstemp(prefix="phalanx-heartbeat-", dir=shm)
+        os.close(fd)
+        board = HeartbeatBoard(Path(path), spec.nproc)
+        os.environ[ENV_FILE] = path
+    root = checkpoints_dir(config.run_dir)
+
+    def newest_step() -> int | None:
+        newest = latest_checkpoint(root)
+        return checkpoint_step(newest) if newest else None
+
+    agent = PhalanxAgent(worker_spec, DefaultLogsSpecs(), safe=config.safe, run_dir=config.run_dir,
+                         events=JsonlEventSink(config.run_dir), board=board, newest_checkpoint_step=newest_step)
     try:
-        run(get_args_parser().parse_args(args))
-    except ChildFailedError as exc:
-        codes = [failure.exitcode for failure in exc.failures.values()]
-        return next((c for c in codes if c and c > 0), 1)
-    return 0
+        result = agent.run()
+    finally:
+        worker_spec.rdzv_handler.shutdown()
+        os.environ.pop(ENV_FILE, None)
+        if board is not None:
+            board.close()
+    if result.is_failed():
+        raise RestartsExhaustedError(f"the run failed again after {config.safe.max_restarts} restarts; "
+                                     f"last failure: {agent.last_failure}")

@@ -31,7 +31,9 @@ def parallelize(model: nn.Module, strategy: str, env: DistEnv, *, activation_che
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [env.device.index] if env.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        # No buffer broadcast: the model's only buffers are RoPE tables derived from its shape, and the
+        # broadcast would put a collective into every forward.
+        return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

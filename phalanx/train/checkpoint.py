@@ -4,13 +4,17 @@ Layout of `RUN_DIR/checkpoints/step_00000200/`:
   DCP files        model and optimizer state, sharded the way they live in memory (DDP or FSDP2)
   rng_rank{R}.pt   each rank's torch RNG states
   trainer.json     step, loader position, model shape and anything else the loop needs to go on
+  manifest.json    size and SHA-256 of every other file, written last
 
 A save is written under a hidden temporary name and renamed once every rank has finished, so a partial
-save never looks like a checkpoint; only the newest `keep` are kept.
+save never looks like a checkpoint; only the newest `keep` are kept. A save that fails (disk full, I/O
+error) is reported to the caller and leaves nothing behind. Before resuming, the newest checkpoint is
+checked against its manifest; a corrupt one is set aside (renamed `corrupt-step_...`) for the previous.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -33,19 +37,24 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TRAINER_STATE = "trainer.json"
+MANIFEST = "manifest.json"
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+    """Complete checkpoints under `root` (their manifest, written last, exists), oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / TRAINER_STATE).is_file()]
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
     return sorted(found, key=lambda p: p.name)
 
 
 def latest_checkpoint(root: Path) -> Path | None:
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -66,11 +75,50 @@ def check_model_shape(path: Path, model_args: dict[str, Any]) -> None:
                            "use another run.name or checkpoint.resume=never")
 
 
+def write_manifest(path: Path) -> None:
+    files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+    (path / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """Why the checkpoint cannot be trusted, or None when every file matches its manifest."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return "its manifest is missing or unreadable"
+    for name, expected in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != expected["size"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {expected['size']}"
+        if _sha256(f) != expected["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def newest_valid_checkpoint(root: Path, on_corrupt) -> Path | None:
+    """The newest checkpoint that passes verification; corrupt ones are renamed out of the way and
+    reported through `on_corrupt(path, reason)`. Run on one rank only."""
+    for path in reversed(list_checkpoints(root)):
+        reason = verify_checkpoint(path)
+        if reason is None:
+            return path
+        aside = path.with_name(f"corrupt-{path.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        on_corrupt(path, reason)
+    return None
+
+
 class Checkpointer:
     def __init__(self, root: Path, keep: int, env: DistEnv):
         self.root, self.keep, self.env = root, keep, env
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+             storage_writer=None) -> Path | str:
+        """The new checkpoint's path, or why the save failed (the same answer on every rank)."""
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".tmp-step_{step:08d}"
         if self.env.is_main:
@@ -78,12 +126,20 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-        torch.save(_rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
+        try:
+            # DCP gathers every rank's write errors and raises on all ranks, so all agree on failure.
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, storage_writer=storage_writer)
+            torch.save(_rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
+        except (Exception, CheckpointException) as exc:
+            barrier()
+            if self.env.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return _first_line(exc)
         if self.env.is_main:
             (tmp / TRAINER_STATE).write_text(json.dumps({**state, "step": step}, indent=1))
         barrier()
         if self.env.is_main:
+            write_manifest(tmp)
             shutil.rmtree(final, ignore_errors=True)
             _fsync_tree(tmp)
             os.replace(tmp, final)
@@ -116,6 +172,11 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     model.load_state_dict(model_sd)
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -141,6 +202,6 @@ def _first_line(exc: BaseException) -> str:
     failures = getattr(exc, "failures", None)
     if failures:
         cause = next(iter(failures.values()))[0]
-        return f"{type(cause).__name__} {cause}".strip() + " (truncated or corrupt file?)"
+        return f"{type(cause).__name__}: {cause}"
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,7 +26,7 @@ class JsonlSink:
         self._file = open(path, "a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps({**record, "time": time.time()}) + "\n")
 
     def close(self) -> None:
         self._file.close()

@@ -5,7 +5,9 @@ RUN_DIR/
   tokenizer.json   the run's tokenizer
   data.json        where the prepared token shards are (a content-addressed cache shared by runs)
   metrics.jsonl    one JSON object per step
+  events.jsonl     faults, detections, restarts, rollbacks, checkpoints, stragglers (phalanx/safe/events.py)
   summary.json     the last summary of `phalanx train`
+  stacks/          Python stacks of ranks caught hanging
   checkpoints/     step_XXXXXXXX/ directories
 """
 
@@ -47,3 +49,16 @@ def prepared_data(run_dir: Path) -> PreparedData:
         return PreparedData.load(Path(json.loads((run_dir / "data.json").read_text())["prepared"]))
     except FileNotFoundError:
         raise PhalanxError(f"{run_dir} has no prepared data; run `phalanx data prepare` or `phalanx train`") from None
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash mid-write
+    return records

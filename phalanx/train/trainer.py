@@ -1,8 +1,8 @@
 """The training loop. Every rank runs `train(config)`; rank 0 also writes the run's files.
 
-Read top to bottom: set-up (process group, data, model, parallelism, optimizer, resume), the step loop
-(micro-batches with gradient accumulation, clipping, optimizer step, metrics, evaluation, checkpoints),
-then the summary.
+Read top to bottom: `Trainer.__init__` sets up (data, model, parallelism, optimizer, safety), `run`
+resumes and loops over steps, `_step` is one optimizer step (micro-batches with gradient accumulation,
+clipping, the numerics guard, the update), then evaluation, checkpoints and the summary.
 """
 
 from __future__ import annotations
@@ -10,23 +10,33 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from phalanx.config.schema import Config
 from phalanx.data.loader import BatchLoader, TokenDataset
 from phalanx.data.prepare import PreparedData
+from phalanx.errors import PhalanxError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
 from phalanx.models.llama import Transformer
 from phalanx.parallel.apply import gradient_sync, parallelize
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib
 from phalanx.parallel.distributed import DistEnv, all_reduce_sum, init_distributed, teardown
-from phalanx.train.checkpoint import Checkpointer, check_model_shape, latest_checkpoint, read_trainer_state
+from phalanx.safe.events import JsonlEventSink
+from phalanx.safe.heartbeat import Heartbeat
+from phalanx.safe.inject import FaultInjector
+from phalanx.safe.numerics import NumericsGuard
+from phalanx.safe.stacks import register_stack_dump, stack_file
+from phalanx.safe.stragglers import StragglerDetector
+from phalanx.train.checkpoint import (Checkpointer, check_model_shape, latest_checkpoint, newest_valid_checkpoint,
+                                      read_trainer_state, verify_checkpoint)
 from phalanx.train.evaluate import Evaluator
 from phalanx.train.metrics import JsonlSink, NullSink, ProgressLine
 from phalanx.train.optim import build_optimizer, clip_gradients, lr_at
@@ -35,140 +45,273 @@ from phalanx.train.run_dir import checkpoints_dir, prepared_data
 SUMMARY_FILE = "summary.json"
 
 
-def train(config: Config, show_progress: bool = True) -> dict[str, Any]:
+def train(config: Config, show_progress: bool = True, attempt: int = 0) -> dict[str, Any]:
     """Run (or resume) the configured training on this rank; returns the run summary."""
     env = init_distributed(config.parallel.strategy, config.parallel.backend, config.parallel.device)
+    stacks = register_stack_dump(stack_file(config.run_dir, attempt, env.rank))
     try:
-        # Model and optimizer live only inside _train, so they are released before the group is destroyed.
-        return _train(config, env, show_progress)
+        # Model and optimizer live only inside the Trainer, released before the group is destroyed.
+        return Trainer(config, env, show_progress).run()
     finally:
         teardown()
+        stacks.close()
+        if Path(stacks.name).stat().st_size == 0:  # nothing was dumped: no file to keep
+            Path(stacks.name).unlink()
 
 
-def _train(config: Config, env: DistEnv, show_progress: bool) -> dict[str, Any]:
-    started = time.perf_counter()
-    tc, run_dir = config.train, config.run_dir
-    data = prepared_data(run_dir)
-    args = model_args(config.model, data.vocab_size, tc.seq_len)
+class Trainer:
+    def __init__(self, config: Config, env: DistEnv, show_progress: bool):
+        self.started = time.perf_counter()
+        self.config, self.env, self.tc, self.safe = config, env, config.train, config.safe
+        self.run_dir = config.run_dir
+        self.heartbeat = Heartbeat(env.local_rank, enabled=self.safe.heartbeats)
+        self.heartbeat.beat("start", 0)
+        self.events = JsonlEventSink(self.run_dir)
+        tc = self.tc
 
-    torch.manual_seed(tc.seed)
-    model = Transformer(args).to(env.device)  # built on CPU first: the same weights on any device
-    dtype = compute_dtype(tc.dtype, env.device)
-    fsdp = env.distributed and config.parallel.strategy == "fsdp"
-    model = parallelize(model, config.parallel.strategy, env,
-                        activation_checkpointing=tc.activation_checkpointing, compile=tc.compile, dtype=dtype)
-    # Under FSDP the mixed-precision policy casts parameters; elsewhere autocast does.
-    use_autocast = dtype != torch.float32 and not fsdp
-    autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
-    optimizer = build_optimizer(model, tc)
-    params = [p for p in model.parameters() if p.requires_grad]
+        data = prepared_data(self.run_dir)
+        self.args = model_args(config.model, data.vocab_size, tc.seq_len)
+        torch.manual_seed(tc.seed)
+        model = Transformer(self.args).to(env.device)  # built on CPU first: the same weights on any device
+        dtype = compute_dtype(tc.dtype, env.device)
+        self.model = parallelize(model, config.parallel.strategy, env,
+                                 activation_checkpointing=tc.activation_checkpointing, compile=tc.compile, dtype=dtype)
+        # Under FSDP the mixed-precision policy casts parameters; elsewhere autocast does.
+        fsdp = env.distributed and config.parallel.strategy == "fsdp"
+        use_autocast = dtype != torch.float32 and not fsdp
+        self.autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
+        self.optimizer = build_optimizer(self.model, tc)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
 
-    loader = BatchLoader(TokenDataset(data.train_shards, tc.seq_len), tc.seq_len, tc.global_batch_size,
-                         tc.micro_batch_size, env.rank, env.world_size, tc.seed,
-                         pin_memory=env.device.type == "cuda")
-    evaluator = Evaluator(TokenDataset(data.val_shards, tc.seq_len), tc, env, autocast)
-    checkpointer = Checkpointer(checkpoints_dir(run_dir), config.checkpoint.keep, env)
+        self.loader = BatchLoader(TokenDataset(data.train_shards, tc.seq_len), tc.seq_len, tc.global_batch_size,
+                                  tc.micro_batch_size, env.rank, env.world_size, tc.seed,
+                                  pin_memory=env.device.type == "cuda")
+        self.evaluator = Evaluator(TokenDataset(data.val_shards, tc.seq_len), tc, env, self.autocast)
+        self.checkpointer = Checkpointer(checkpoints_dir(self.run_dir), config.checkpoint.keep, env)
+        self.guard = NumericsGuard(self.safe.spike_zscore, self.safe.spike_window)
+        self.stragglers = StragglerDetector(self.safe.straggler_window, self.safe.straggler_threshold,
+                                            self.safe.straggler_min_ms / 1000, env)
+        self.faults = FaultInjector(self.safe.inject, env.rank, self.events, self.run_dir, self.heartbeat,
+                                    checkpoints_dir(self.run_dir))
 
-    state: dict[str, Any] = {}
-    resume_from = resume_path(config)
-    if resume_from is not None:
-        check_model_shape(resume_from, dataclasses.asdict(args))
-        state = checkpointer.load(resume_from, model, optimizer)
-        loader.load_state_dict(state["loader"])
-    start_step = state.get("step", 0)
+        self.tokens_per_step = tc.global_batch_size * tc.seq_len
+        self.fpt = flops_per_token(self.args, tc.seq_len)
+        self.peak = tc.peak_tflops or peak_tflops(device_name(env.device))
+        self.sink = JsonlSink(self.run_dir / "metrics.jsonl") if env.is_main else NullSink()
+        self.show_progress = show_progress and env.is_main
+        self.state: dict[str, Any] = {}
+        self.last_checkpoint: str | None = None
+        self.rolled_back_at: set[int] = set()
 
-    tokens_per_step = tc.global_batch_size * tc.seq_len
-    fpt = flops_per_token(args, tc.seq_len)
-    peak = tc.peak_tflops or peak_tflops(device_name(env.device))
+    # -- the run ----------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        tc = self.tc
+        step = self._resume(resume_path(self.config, self.env, self.events))
+        self.progress = ProgressLine(tc.max_steps, step, enabled=self.show_progress)
+        if step == 0:
+            self._evaluate(0)
+        end_step = tc.halt_at_step or tc.max_steps
+        timed_steps, timed_seconds = 0, 0.0
+        self._emit("training_started", step=step)
+        with self.progress:
+            while step < end_step:
+                step += 1
+                t0 = time.perf_counter()
+                record = self._step(step)
+                if record is None:  # rolled back to a checkpoint
+                    step = self.state["step"]
+                    continue
+                step_seconds = record["step_seconds"] = time.perf_counter() - t0
+                self.heartbeat.step_done(step, step_seconds)
+                if step > self.state.get("resumed_step", 0) + 1 or step == end_step:  # skip warm-up/compile
+                    timed_steps, timed_seconds = timed_steps + 1, timed_seconds + step_seconds
+                tps = self.tokens_per_step / step_seconds
+                record.update(tokens_per_sec=tps, **self._device_rates(tps),
+                              peak_mem_gib=peak_memory_gib(self.env.device), tokens_seen=step * self.tokens_per_step)
+                if step % tc.eval_interval == 0 or step == tc.max_steps:
+                    record.update(self._evaluate(step))
+                if self.stragglers.due(step):
+                    self._check_stragglers(step)
+                self.sink.write(record)
+                self.progress.update(step, record["loss"], tps, self.state.get("val_loss"))
+                if step % self.config.checkpoint.interval == 0 or step == end_step:
+                    self._save(step, final=step == end_step)
+        self.heartbeat.beat("done", step)
+        self.sink.close()
+        return self._summary(max(step, self.state.get("resumed_step", 0)), timed_steps, timed_seconds)
 
-    def device_rates(tokens_per_sec: float | None) -> dict[str, float | None]:
+    def _step(self, step: int) -> dict[str, Any] | None:
+        """One optimizer step; None if the numerics guard rolled the run back instead."""
+        lr = lr_at(step, self.tc)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.heartbeat.beat("data", step)
+        t_data = time.perf_counter()
+        micro_batches = self.loader.next_batch()
+        compute = time.perf_counter() - t_data
+        loss_sum = torch.zeros((), device=self.env.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            self.heartbeat.beat("forward")
+            t_forward = time.perf_counter()
+            if i == 0:
+                self.faults.in_forward(step)
+            inputs = inputs.to(self.env.device, non_blocking=True)
+            targets = targets.to(self.env.device, non_blocking=True)
+            with gradient_sync(self.model, enabled=i == len(micro_batches) - 1):
+                with self.autocast():
+                    logits = self.model(inputs)
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                compute += time.perf_counter() - t_forward  # own work only: backward waits on peers
+                if i == 0 and self.faults.nan_loss(step):
+                    loss = loss * float("nan")
+                self.heartbeat.beat("backward")
+                (loss / len(micro_batches)).backward()
+            loss_sum += loss.detach()
+        self.stragglers.record(compute)
+        self.heartbeat.beat("collective")
+        grad_norm = clip_gradients(self.params, self.tc.grad_clip)
+        # One small all-reduce and one host sync per step: the loss and grad norm the guard needs.
+        loss_sum = all_reduce_sum(loss_sum) / (len(micro_batches) * self.env.world_size)
+        train_loss, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum)]).tolist()
+
+        self.heartbeat.beat("optimizer")
+        anomaly = self.guard.check(train_loss, grad_norm) if self.safe.numerics != "off" else None
+        if anomaly is None:
+            self.optimizer.step()
+            self.guard.accept(train_loss)
+        else:
+            self._emit("anomaly", step=step, anomaly=anomaly, loss=train_loss, grad_norm=grad_norm)
+            if self._rollback(step):
+                return None
+            self._emit("step_skipped", step=step, anomaly=anomaly)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state["train_loss"] = train_loss
+        return {"step": step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm, "compute_seconds": compute,
+                **({"skipped": anomaly} if anomaly else {})}
+
+    # -- evaluation, checkpoints, recovery -----------------------------------------------------------
+    def _evaluate(self, step: int) -> dict[str, Any]:
+        self.heartbeat.beat("eval", step)
+        t0 = time.perf_counter()
+        val_loss = self.evaluator.loss(self.model)
+        seconds = time.perf_counter() - t0
+        self.state["val_loss"] = val_loss
+        if step == 0:
+            self.state["val_loss_start"] = val_loss
+            self.sink.write({"step": 0, "val_loss": val_loss, "eval_seconds": seconds})
+        else:
+            self.progress.log(f"step {step}: train loss {self.state['train_loss']:.4f}, val loss {val_loss:.4f}")
+        return {"val_loss": val_loss, "eval_seconds": seconds}
+
+    def _save(self, step: int, final: bool) -> None:
+        self.heartbeat.beat("checkpoint", step)
+        state = {"loader": self.loader.state_dict(), "model_args": dataclasses.asdict(self.args),
+                 "world_size": self.env.world_size,
+                 **{k: self.state.get(k) for k in ("val_loss_start", "val_loss", "train_loss")}}
+        path = self.checkpointer.root / f"step_{step:08d}"
+        for attempt in range(2 if final else 1):  # the last save gets one retry: no later interval comes
+            t0 = time.perf_counter()
+            result = self.checkpointer.save(step, self.model, self.optimizer, state,
+                                            storage_writer=self.faults.storage_writer(step, path))
+            seconds = time.perf_counter() - t0
+            if isinstance(result, Path):
+                self.last_checkpoint = str(result)
+                self._emit("checkpoint_saved", step=step, seconds=seconds, path=str(result))
+                return
+            self._emit("save_failed", step=step, seconds=seconds, error=result, retry=attempt == 0 and final)
+            self.progress.log(f"step {step}: checkpoint save failed ({result}); training goes on")
+
+    def _resume(self, path: Path | None) -> int:
+        if path is None:
+            return 0
+        check_model_shape(path, dataclasses.asdict(self.args))
+        self.heartbeat.beat("checkpoint")
+        t0 = time.perf_counter()
+        self.state = self.checkpointer.load(path, self.model, self.optimizer)
+        self.loader.load_state_dict(self.state["loader"])
+        self.state["resumed_step"] = self.state["step"]
+        self.last_checkpoint = str(path)
+        self._emit("checkpoint_loaded", step=self.state["step"], seconds=time.perf_counter() - t0, path=str(path))
+        return self.state["step"]
+
+    def _rollback(self, step: int) -> bool:
+        """Reload the newest checkpoint and replay from it, once per step; False means skip instead."""
+        path = latest_checkpoint(self.checkpointer.root)
+        if self.safe.numerics != "rollback" or step in self.rolled_back_at or path is None:
+            return False
+        self.rolled_back_at.add(step)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._resume(path)
+        self.guard.reset()
+        self._emit("rollback", step=step, to_step=self.state["step"])
+        self.progress.log(f"step {step}: numerics guard rolled back to step {self.state['step']}")
+        return True
+
+    def _check_stragglers(self, step: int) -> None:
+        self.heartbeat.beat("collective")
+        scores = self.stragglers.scores()
+        for s in self.stragglers.stragglers(scores):
+            self._emit("straggler", step=step, straggler_rank=s["rank"], straggler_node=s["node"],
+                       score=round(s["score"], 4), median_compute_s=s["median_compute_s"],
+                       fastest_compute_s=min(x["median_compute_s"] for x in scores))
+            self.progress.log(f"step {step}: rank {s['rank']} on {s['node']} is a straggler "
+                              f"(score {s['score']:.2f})")
+
+    # -- reporting ------------------------------------------------------------------------------
+    def _emit(self, kind: str, **details: Any) -> None:
+        """Run-level events come from rank 0 only: every rank takes the same decisions."""
+        if self.env.is_main:
+            self.events.emit(kind, rank=0, **details)
+
+    def _device_rates(self, tokens_per_sec: float | None) -> dict[str, float | None]:
         """Achieved TFLOP/s and MFU of one device, from the global token rate."""
         if not tokens_per_sec:
             return {"achieved_tflops": None, "mfu": None}
-        per_device = tokens_per_sec / env.world_size
-        return {"achieved_tflops": achieved_tflops(per_device, fpt), "mfu": mfu(per_device, fpt, peak)}
+        per_device = tokens_per_sec / self.env.world_size
+        return {"achieved_tflops": achieved_tflops(per_device, self.fpt), "mfu": mfu(per_device, self.fpt, self.peak)}
 
-    sink = JsonlSink(run_dir / "metrics.jsonl") if env.is_main else NullSink()
-    progress = ProgressLine(tc.max_steps, start_step, enabled=show_progress and env.is_main)
-
-    val_loss = state.get("val_loss")
-    val_loss_start = state.get("val_loss_start")
-    if start_step == 0:
-        val_loss = val_loss_start = evaluator.loss(model)
-        sink.write({"step": 0, "val_loss": val_loss})
-    train_loss = state.get("train_loss")
-    last_checkpoint = str(resume_from) if resume_from else None
-    end_step = tc.halt_at_step or tc.max_steps
-    timed_steps, timed_seconds = 0, 0.0
-
-    with progress:
-        for step in range(start_step + 1, end_step + 1):
-            t0 = time.perf_counter()
-            lr = lr_at(step, tc)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            micro_batches = loader.next_batch()
-            loss_sum = torch.zeros((), device=env.device)
-            for i, (inputs, targets) in enumerate(micro_batches):
-                inputs = inputs.to(env.device, non_blocking=True)
-                targets = targets.to(env.device, non_blocking=True)
-                with gradient_sync(model, enabled=i == len(micro_batches) - 1):
-                    with autocast():
-                        logits = model(inputs)
-                        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-                    (loss / len(micro_batches)).backward()
-                loss_sum += loss.detach()
-            grad_norm = clip_gradients(params, tc.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            # One small all-reduce per step: every rank's micro-batch losses, averaged.
-            train_loss = all_reduce_sum(loss_sum).item() / (len(micro_batches) * env.world_size)
-            step_seconds = time.perf_counter() - t0
-            if step > start_step + 1 or step == end_step:  # the first step pays for warm-up/compilation
-                timed_steps, timed_seconds = timed_steps + 1, timed_seconds + step_seconds
-
-            tps = tokens_per_step / step_seconds
-            record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm.item(),
-                      "tokens_per_sec": tps, **device_rates(tps), "peak_mem_gib": peak_memory_gib(env.device),
-                      "step_seconds": step_seconds, "tokens_seen": step * tokens_per_step}
-            if step % tc.eval_interval == 0 or step == tc.max_steps:
-                val_loss = record["val_loss"] = evaluator.loss(model)
-                progress.log(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}")
-            sink.write(record)
-            progress.update(step, train_loss, tps, val_loss)
-
-            if step % config.checkpoint.interval == 0 or step == end_step:
-                saved = checkpointer.save(step, model, optimizer, {
-                    "loader": loader.state_dict(), "model_args": dataclasses.asdict(args),
-                    "val_loss_start": val_loss_start, "val_loss": val_loss, "train_loss": train_loss,
-                    "world_size": env.world_size})
-                last_checkpoint = str(saved)
-    sink.close()
-
-    steps_done = max(start_step, end_step)
-    tps = tokens_per_step * timed_steps / timed_seconds if timed_steps else None
-    summary = {
-        "run_dir": str(run_dir), "steps": steps_done, "tokens_seen": steps_done * tokens_per_step,
-        "val_loss_start": val_loss_start, "val_loss_final": val_loss, "train_loss_final": train_loss,
-        "tokens_per_sec": tps, **device_rates(tps),
-        "last_checkpoint": last_checkpoint, "wall_seconds": time.perf_counter() - started,
-        "halted": tc.halt_at_step is not None and steps_done < tc.max_steps,
-    }
-    if env.is_main:
-        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
-    return summary
+    def _summary(self, steps_done: int, timed_steps: int, timed_seconds: float) -> dict[str, Any]:
+        tps = self.tokens_per_step * timed_steps / timed_seconds if timed_steps else None
+        summary = {
+            "run_dir": str(self.run_dir), "steps": steps_done, "tokens_seen": steps_done * self.tokens_per_step,
+            "val_loss_start": self.state.get("val_loss_start"), "val_loss_final": self.state.get("val_loss"),
+            "train_loss_final": self.state.get("train_loss"), "tokens_per_sec": tps, **self._device_rates(tps),
+            "last_checkpoint": self.last_checkpoint, "wall_seconds": time.perf_counter() - self.started,
+            "halted": self.tc.halt_at_step is not None and steps_done < self.tc.max_steps,
+        }
+        if self.env.is_main:
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+        return summary
 
 
-def resume_path(config: Config) -> Path | None:
-    """The checkpoint this run continues from, per `checkpoint.resume`."""
+def resume_path(config: Config, env: DistEnv | None = None, events: JsonlEventSink | None = None) -> Path | None:
+    """The checkpoint this run continues from, per `checkpoint.resume`; the same answer on every rank.
+
+    With `auto`, rank 0 verifies the newest checkpoints against their manifests, sets corrupt ones
+    aside (an event each) and shares its choice with the other ranks.
+    """
     choice = config.checkpoint.resume
     if choice == "never":
         return None
-    if choice == "auto":
-        return latest_checkpoint(checkpoints_dir(config.run_dir))
-    path = Path(choice)
-    read_trainer_state(path)  # a clear error now rather than deep inside DCP
-    return path
+    if choice != "auto":
+        path = Path(choice)
+        read_trainer_state(path)  # a clear error now rather than deep inside DCP
+        reason = verify_checkpoint(path)
+        if reason:
+            raise PhalanxError(f"checkpoint {path} cannot be trusted: {reason}")
+        return path
+    root = checkpoints_dir(config.run_dir)
+    if env is None:  # before any rank starts: only a look, nothing is moved
+        return latest_checkpoint(root)
+    found: list[Any] = [None]
+    if env.is_main:
+        def report(path: Path, reason: str) -> None:
+            if events is not None:
+                events.emit("checkpoint_corrupt", rank=0, path=str(path), reason=reason)
+        found[0] = newest_valid_checkpoint(root, report)
+    if env.distributed:
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 def check_resume_compatible(config: Config, data: PreparedData) -> None:
@@ -176,3 +319,8 @@ def check_resume_compatible(config: Config, data: PreparedData) -> None:
     path = resume_path(config)
     if path is not None:
         check_model_shape(path, dataclasses.asdict(model_args(config.model, data.vocab_size, config.train.seq_len)))
+
+
+def attempt_number() -> int:
+    """Which attempt of the run this process is (0 first, +1 per restart by the node agent)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

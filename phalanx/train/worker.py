@@ -10,13 +10,13 @@ import sys
 
 from phalanx.config.loader import load_config
 from phalanx.errors import PhalanxError
-from phalanx.train.trainer import train
+from phalanx.train.trainer import attempt_number, train
 
 
 def main(argv: list[str]) -> int:
     config_path, *flags = argv
     try:
-        train(load_config(config_path), show_progress="--no-progress" not in flags)
+        train(load_config(config_path), show_progress="--no-progress" not in flags, attempt=attempt_number())
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -46,13 +46,14 @@ def test_checkpoint_from_another_model_shape(tiny_args):
     assert "different model shape" in line and "dim 64 != 32" in line
 
 
-def test_corrupt_checkpoint(tiny_args):
+def test_corrupt_checkpoint_named_explicitly(tiny_args):
     summary = train_json(*tiny_args, "train.max_steps=2")
     from pathlib import Path
 
     for f in Path(summary["last_checkpoint"]).glob("*.distcp"):
         f.write_bytes(f.read_bytes()[:100])
-    assert "cannot load checkpoint" in fails("train", *tiny_args, "train.max_steps=4")
+    line = fails("train", *tiny_args, "train.max_steps=4", f"checkpoint.resume={summary['last_checkpoint']}")
+    assert "cannot be trusted" in line and "manifest says" in line
 
 
 def test_generate_without_a_trained_run(tmp_path):

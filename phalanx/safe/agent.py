@@ -1,0 +1,126 @@
+"""The node agent: torch's elastic agent, plus hang detection, stack capture and crash-loop detection.
+
+torch's LocalElasticAgent already starts the local ranks, notices a rank that exits with an error,
+stops the others and restarts the whole group (re-rendezvous included) up to `max_restarts` times.
+This subclass adds what it lacks:
+  - hangs: on each monitoring tick it reads the ranks' heartbeats; a rank past its timeout gets its
+    Python stack dumped (with every other local rank's), then the group is failed and restarted;
+  - crash loops: restarts that never get past the newest checkpoint stop the run (exit code 3);
+  - a bad-input exit (code 2) of any rank stops the run at once: restarting cannot fix a config;
+  - every attempt, failure, hang and restart is an event in RUN_DIR/events.jsonl.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from phalanx.config.schema import SafeSection
+from phalanx.errors import CrashLoopError, PhalanxError
+from phalanx.safe.events import EventSink
+from phalanx.safe.heartbeat import HeartbeatBoard
+from phalanx.safe.stacks import STACK_SIGNAL, innermost_frame, stack_file
+from phalanx.safe.watchdog import HangDetector, Stall
+
+STACK_WAIT_SECONDS = 2.0
+
+
+class PhalanxAgent(LocalElasticAgent):
+    def __init__(self, spec, logs_specs, *, safe: SafeSection, run_dir: Path, events: EventSink,
+                 board: HeartbeatBoard | None, newest_checkpoint_step, **kwargs):
+        super().__init__(spec, logs_specs, **kwargs)
+        self.safe, self.run_dir, self.events, self.board = safe, run_dir, events, board
+        self.detector = HangDetector(safe)
+        self.newest_checkpoint_step = newest_checkpoint_step  # () -> int | None, read at each failure
+        self.attempt = 0
+        self.failed_without_progress = 0
+        self.last_failure = "none"
+        self._attempt_start_step = newest_checkpoint_step()
+
+    # -- attempts ---------------------------------------------------------------------------------
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        if self.board is not None:
+            self.board.clear()
+        self.detector.reset(time.monotonic())
+        self.attempt = self.safe.max_restarts - self._remaining_restarts
+        self.events.emit("attempt_started", attempt=self.attempt)
+        super()._initialize_workers(worker_group)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.events.emit("restart", attempt=self.attempt + 1, reason=self.last_failure)
+        super()._restart_workers(worker_group)
+
+    # -- monitoring -------------------------------------------------------------------------------
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED:
+            self._on_crash(result)
+        elif result.state == WorkerState.HEALTHY and self.board is not None:
+            stalls = self.detector.check(self.board.read(), time.monotonic())
+            if stalls:
+                self._on_hang(worker_group, stalls)
+                result = RunResult(state=WorkerState.FAILED)
+        if result.state == WorkerState.FAILED:
+            self._check_crash_loop()
+        return result
+
+    def _on_crash(self, result: RunResult) -> None:
+        beats = {b.local_rank: b for b in self.board.read()} if self.board is not None else {}
+        now = time.monotonic()
+        # When one rank dies, torch terminates its siblings (SIGTERM): those are consequences, not faults.
+        causes = {r: f for r, f in result.failures.items() if f.exitcode != -signal.SIGTERM} or result.failures
+        for rank, failure in sorted(causes.items()):
+            if failure.exitcode == PhalanxError.exit_code:  # bad input: the rank printed why
+                raise PhalanxError(f"rank {rank} stopped on bad input (its message is above)")
+            beat = beats.get(failure.local_rank)
+            self.events.emit("worker_failed", rank=rank, attempt=self.attempt, exitcode=failure.exitcode,
+                             step=beat.step if beat else None, phase=beat.phase if beat else None,
+                             stalled_for=now - beat.time if beat and beat.time else None)
+            self.last_failure = f"rank {rank} exited with code {failure.exitcode}" + (
+                f" at step {beat.step} ({beat.phase})" if beat else "")
+
+    def _on_hang(self, worker_group: WorkerGroup, stalls: list[Stall]) -> None:
+        """Dump every local rank's stack, then record who stalled, where and in which phase."""
+        pids = self._pcontext.pids() if self._pcontext is not None else {}
+        for pid in pids.values():
+            try:
+                os.kill(pid, STACK_SIGNAL)
+            except ProcessLookupError:
+                pass
+        global_rank = {w.local_rank: w.global_rank for w in worker_group.workers}
+        files = {s.local_rank: stack_file(self.run_dir, self.attempt, global_rank[s.local_rank]) for s in stalls}
+        deadline = time.monotonic() + STACK_WAIT_SECONDS
+        while time.monotonic() < deadline and not all(f.is_file() and f.stat().st_size for f in files.values()):
+            time.sleep(0.05)
+        culprit = max(stalls, key=lambda s: s.stalled_for)
+        ranks = []
+        for s in stalls:
+            dump = files[s.local_rank].read_text() if files[s.local_rank].is_file() else ""
+            ranks.append({"rank": global_rank[s.local_rank], "step": s.step, "phase": s.phase,
+                          "stalled_for": round(s.stalled_for, 3), "limit": round(s.limit, 3),
+                          "where": innermost_frame(dump), "stack_file": str(files[s.local_rank])})
+        self.events.emit("hang_detected", rank=global_rank[culprit.local_rank], attempt=self.attempt,
+                         stalled_for=culprit.stalled_for, limit=culprit.limit, ranks=ranks)
+        self.last_failure = (f"rank {global_rank[culprit.local_rank]} hung at step {culprit.step} "
+                             f"({culprit.phase}) for {culprit.stalled_for:.1f} s")
+
+    def _check_crash_loop(self) -> None:
+        """Count restarted attempts that failed before a newer checkpoint appeared; K in a row stop the run."""
+        progress = self.newest_checkpoint_step()
+        if progress != self._attempt_start_step:
+            self.failed_without_progress = 0
+        elif self.attempt > 0:
+            self.failed_without_progress += 1
+        self._attempt_start_step = progress
+        if self.failed_without_progress >= self.safe.crash_loop_restarts:
+            restarts = self.failed_without_progress
+            where = f"step {progress}" if progress is not None else "no checkpoint yet"
+            self.events.emit("crash_loop", attempt=self.attempt, restarts=restarts, checkpoint_step=progress,
+                             last_failure=self.last_failure)
+            raise CrashLoopError(f"crash loop: {restarts} restarts in a row without checkpoint progress "
+                                 f"({where}); last failure: {self.last_failure} (see {self.run_dir}/events.jsonl)")

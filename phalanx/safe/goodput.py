@@ -1,0 +1,103 @@
+"""Goodput: where the wall time of a `phalanx train` went, from its event log and step metrics.
+
+Buckets, in seconds:
+  productive       steps whose result the run kept
+  redone           steps run again after a restart or rollback (their first runs were lost)
+  skipped          steps whose update the numerics guard threw away
+  eval             validation
+  checkpoint_save  saves, failed ones included
+  checkpoint_load  resumes and rollbacks
+  startup          from the command to the first step, less loading and step-0 evaluation
+  detection        from a fault to its detection (a hang's whole stall; a crash's last heartbeat)
+  restart          from a detection until steps run again (stopping ranks, rendezvous, start-up), less
+                   checkpoint loading
+  other            the rest (logging, progress, the unfinished step at a fault)
+ETTR (effective training time ratio) = productive / wall.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from phalanx.safe.events import read_events
+
+FAULT_KINDS = {"worker_failed": "crash", "hang_detected": "hang", "save_failed": "save_failed",
+               "checkpoint_corrupt": "corrupt_checkpoint"}
+
+
+def account(events: list[dict], metrics: list[dict], wall_start: float, wall_end: float) -> dict[str, Any]:
+    """The `restarts`, `faults`, `stragglers`, `goodput` and `ettr` of one launch."""
+    events = [e for e in events if wall_start <= e["time"] <= wall_end]
+    steps = [m for m in metrics if "loss" in m and wall_start <= m.get("time", 0) <= wall_end]
+    evals = [m for m in metrics if "eval_seconds" in m and wall_start <= m.get("time", 0) <= wall_end]
+    wall = wall_end - wall_start
+
+    last_run = {m["step"]: i for i, m in enumerate(steps)}  # the run of each step that counts
+    kept = [m for i, m in enumerate(steps) if last_run[m["step"]] == i]
+    buckets = {
+        "productive": sum(m["step_seconds"] for m in kept if "skipped" not in m),
+        "redone": sum(m["step_seconds"] for i, m in enumerate(steps) if last_run[m["step"]] != i),
+        "skipped": sum(m["step_seconds"] for m in kept if "skipped" in m),
+        "eval": sum(m["eval_seconds"] for m in evals),
+        "checkpoint_save": _total(events, ("checkpoint_saved", "save_failed")),
+        "checkpoint_load": _total(events, ("checkpoint_loaded",)),
+        "startup": _startup(events, evals, wall_start),
+        "detection": sum(e.get("stalled_for") or 0.0 for e in events
+                         if e["kind"] in ("worker_failed", "hang_detected")),
+        "restart": _restart_time(events),
+    }
+    buckets["other"] = max(0.0, wall - sum(buckets.values()))
+    faults = Counter(FAULT_KINDS[e["kind"]] for e in events if e["kind"] in FAULT_KINDS)
+    faults.update(e["anomaly"] for e in events if e["kind"] == "anomaly")
+    return {
+        "restarts": sum(e["kind"] == "restart" for e in events),
+        "faults": dict(faults),
+        "stragglers": _stragglers(events),
+        "goodput": {k: round(v, 3) for k, v in buckets.items()},
+        "ettr": buckets["productive"] / wall if wall > 0 else None,
+    }
+
+
+def run_report(run_dir: Path, metrics: list[dict], wall_start: float, wall_end: float) -> dict[str, Any]:
+    return account(read_events(run_dir), metrics, wall_start, wall_end)
+
+
+def _total(events: list[dict], kinds: tuple[str, ...]) -> float:
+    return sum(e.get("seconds", 0.0) for e in events if e["kind"] in kinds)
+
+
+def _startup(events: list[dict], evals: list[dict], wall_start: float) -> float:
+    """From the command to the first step (data preparation included), less loading and step-0 eval."""
+    first = next((e for e in events if e["kind"] == "training_started"), None)
+    if first is None:
+        return 0.0
+    busy = _total([e for e in events if e["time"] <= first["time"]], ("checkpoint_loaded",))
+    busy += sum(m["eval_seconds"] for m in evals if m["step"] == 0 and m["time"] <= first["time"])
+    return max(0.0, first["time"] - wall_start - busy)
+
+
+def _restart_time(events: list[dict]) -> float:
+    """From each detected fault until training runs again, less the checkpoint loading in between."""
+    total, detected = 0.0, None
+    for e in events:
+        if e["kind"] in ("worker_failed", "hang_detected") and detected is None:
+            detected = e["time"]
+        elif e["kind"] == "training_started" and detected is not None:
+            loads = _total([x for x in events if detected <= x["time"] <= e["time"]], ("checkpoint_loaded",))
+            total += max(0.0, e["time"] - detected - loads)
+            detected = None
+    return total
+
+
+def _stragglers(events: list[dict]) -> list[dict]:
+    worst: dict[int, dict] = {}
+    for e in events:
+        if e["kind"] == "straggler":
+            rank = e["straggler_rank"]
+            entry = worst.setdefault(rank, {"rank": rank, "node": e["straggler_node"], "score": e["score"],
+                                            "alerts": 0})
+            entry["score"] = min(entry["score"], e["score"])
+            entry["alerts"] += 1
+    return sorted(worst.values(), key=lambda s: s["rank"])

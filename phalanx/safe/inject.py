@@ -1,0 +1,95 @@
+"""Fault injection for drills and tests, driven by `safe.inject`; does nothing unless configured.
+
+Every fault fires on one rank at one step, once per run: firing is recorded as a `fault_injected` event
+before the fault acts, and a restarted attempt skips what the event log says already fired (unless the
+item has `repeat: true`, for crash-loop drills).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+
+from phalanx.config.schema import FaultSpec
+from phalanx.safe.events import EventSink, read_events
+from phalanx.safe.heartbeat import Heartbeat
+from phalanx.train.checkpoint import latest_checkpoint
+
+
+class FaultInjector:
+    def __init__(self, specs: list[FaultSpec], rank: int, events: EventSink, run_dir: Path, heartbeat: Heartbeat,
+                 checkpoints: Path):
+        fired = {e.get("index") for e in read_events(run_dir) if e["kind"] == "fault_injected"}
+        self._pending = [(i, s) for i, s in enumerate(specs) if s.rank == rank and (s.repeat or i not in fired)]
+        self.rank, self.events, self.heartbeat, self.checkpoints = rank, events, heartbeat, checkpoints
+        self.slow_seconds = 0.0
+        # A hang inside a collective needs a group its peers share but never use: made by every rank
+        # (creating a group is itself collective) whenever any rank has such a fault configured.
+        wants_side_group = any(s.fault == "hang" and s.phase == "collective" for s in specs)
+        self._side_group = dist.new_group(backend="gloo") if wants_side_group and dist.is_initialized() else None
+
+    def _fire(self, kinds: tuple[str, ...], step: int, at_or_after: bool = False) -> FaultSpec | None:
+        for item in self._pending:
+            index, spec = item
+            if spec.fault in kinds and (spec.step <= step if at_or_after else spec.step == step):
+                self._pending.remove(item)
+                self.events.emit("fault_injected", rank=self.rank, index=index, fault=spec.fault, step=step,
+                                 phase=spec.phase if spec.fault == "hang" else None, ms=spec.ms or None)
+                return spec
+        return None
+
+    def in_forward(self, step: int) -> None:
+        """Called as a step's forward begins: every fault but nan and fail_save acts here."""
+        if self._fire(("corrupt_checkpoint",), step):
+            newest = latest_checkpoint(self.checkpoints)
+            if newest is not None:
+                corrupt_checkpoint(newest)
+        if self._fire(("kill",), step):
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no exception handler
+        spec = self._fire(("hang", "slow"), step)
+        if spec and spec.fault == "slow":
+            self.slow_seconds = spec.ms / 1000
+        elif spec and spec.phase == "forward":
+            _block_forever()
+        elif spec:  # phase == collective: blocks inside an all-reduce that no peer joins
+            self.heartbeat.beat("collective")
+            dist.all_reduce(torch.zeros(1), group=self._side_group)
+            _block_forever()
+        if self.slow_seconds:
+            time.sleep(self.slow_seconds)
+
+    def nan_loss(self, step: int) -> bool:
+        return self._fire(("nan",), step) is not None
+
+    def storage_writer(self, step: int, path: Path) -> FileSystemWriter | None:
+        """A DCP writer that fails like a full disk, for the first save at or after a fail_save step."""
+        if self._fire(("fail_save",), step, at_or_after=True):
+            return _FailingWriter(path)
+        return None
+
+
+class _FailingWriter(FileSystemWriter):
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
+def corrupt_checkpoint(path: Path) -> None:
+    """Flip bytes in the middle of the checkpoint's largest file, keeping its size."""
+    target = max((f for f in path.iterdir() if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(target, "r+b") as f:
+        f.seek(target.stat().st_size // 2)
+        chunk = f.read(64)
+        f.seek(target.stat().st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def _block_forever() -> None:
+    while True:
+        time.sleep(3600)
