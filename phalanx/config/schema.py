@@ -123,7 +123,8 @@ class SafeSection(Section):
     startup_timeout_s: float = Field(600.0, gt=0)
     checkpoint_timeout_s: float = Field(900.0, gt=0)
     eval_timeout_s: float = Field(600.0, gt=0)
-    numerics: Literal["rollback", "skip", "off"] = "rollback"
+    # none, not "off": YAML reads a bare off as false
+    numerics: Literal["rollback", "skip", "none"] = "rollback"
     spike_zscore: float = Field(6.0, gt=0)
     spike_window: int = Field(100, ge=10)
     straggler_threshold: float = Field(0.75, gt=0, lt=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 from phalanx.config.loader import save_resolved
@@ -32,9 +33,16 @@ def data_cache_dir(config: Config) -> Path:
 
 
 def prepare_run(config: Config, progress: bool = True) -> PreparedData:
-    """Create the run directory, save the resolved config, tokenise the corpus (or reuse the cache)."""
+    """Create the run directory, save the resolved config, tokenise the corpus (or reuse the cache).
+
+    With `checkpoint.resume=never`, earlier checkpoints are moved aside (never deleted): a restart
+    within this launch must continue from this launch's checkpoints only.
+    """
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    old = checkpoints_dir(run_dir)
+    if config.checkpoint.resume == "never" and old.is_dir() and any(old.iterdir()):
+        old.rename(run_dir / f"checkpoints.before-{time.time_ns()}")
     save_resolved(config, run_dir)
     d = config.data
     data = prepare_data(d.sources, Path.cwd(), data_cache_dir(config), d.vocab_size, d.tokenizer,

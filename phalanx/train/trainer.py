@@ -51,7 +51,7 @@ def train(config: Config, show_progress: bool = True, attempt: int = 0) -> dict[
     stacks = register_stack_dump(stack_file(config.run_dir, attempt, env.rank))
     try:
         # Model and optimizer live only inside the Trainer, released before the group is destroyed.
-        return Trainer(config, env, show_progress).run()
+        return Trainer(config, env, show_progress, attempt).run()
     finally:
         teardown()
         stacks.close()
@@ -60,8 +60,8 @@ def train(config: Config, show_progress: bool = True, attempt: int = 0) -> dict[
 
 
 class Trainer:
-    def __init__(self, config: Config, env: DistEnv, show_progress: bool):
-        self.started = time.perf_counter()
+    def __init__(self, config: Config, env: DistEnv, show_progress: bool, attempt: int = 0):
+        self.started, self.attempt = time.perf_counter(), attempt
         self.config, self.env, self.tc, self.safe = config, env, config.train, config.safe
         self.run_dir = config.run_dir
         self.heartbeat = Heartbeat(env.local_rank, enabled=self.safe.heartbeats)
@@ -106,7 +106,7 @@ class Trainer:
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         tc = self.tc
-        step = self._resume(resume_path(self.config, self.env, self.events))
+        step = self._resume(resume_path(self.config, self.env, self.events, self.attempt))
         self.progress = ProgressLine(tc.max_steps, step, enabled=self.show_progress)
         if step == 0:
             self._evaluate(0)
@@ -175,7 +175,7 @@ class Trainer:
         train_loss, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum)]).tolist()
 
         self.heartbeat.beat("optimizer")
-        anomaly = self.guard.check(train_loss, grad_norm) if self.safe.numerics != "off" else None
+        anomaly = self.guard.check(train_loss, grad_norm) if self.safe.numerics != "none" else None
         if anomaly is None:
             self.optimizer.step()
             self.guard.accept(train_loss)
@@ -284,34 +284,41 @@ class Trainer:
         return summary
 
 
-def resume_path(config: Config, env: DistEnv | None = None, events: JsonlEventSink | None = None) -> Path | None:
-    """The checkpoint this run continues from, per `checkpoint.resume`; the same answer on every rank.
+def resume_path(config: Config, env: DistEnv | None = None, events: JsonlEventSink | None = None,
+                attempt: int = 0) -> Path | None:
+    """The checkpoint this run continues from; the same answer on every rank.
 
-    With `auto`, rank 0 verifies the newest checkpoints against their manifests, sets corrupt ones
-    aside (an event each) and shares its choice with the other ranks.
+    `checkpoint.resume` decides for the first attempt of a launch; a restarted attempt always continues
+    from the newest checkpoint in the run directory (written by this launch: `never` moved older ones
+    aside), falling back to that choice when there is none yet. Rank 0 verifies candidates against their
+    manifests, sets corrupt ones aside (an event each) and shares its choice with the other ranks.
     """
     choice = config.checkpoint.resume
-    if choice == "never":
-        return None
-    if choice != "auto":
-        path = Path(choice)
-        read_trainer_state(path)  # a clear error now rather than deep inside DCP
-        reason = verify_checkpoint(path)
-        if reason:
-            raise PhalanxError(f"checkpoint {path} cannot be trusted: {reason}")
-        return path
     root = checkpoints_dir(config.run_dir)
     if env is None:  # before any rank starts: only a look, nothing is moved
-        return latest_checkpoint(root)
+        return latest_checkpoint(root) if choice == "auto" else _explicit(choice)
     found: list[Any] = [None]
     if env.is_main:
         def report(path: Path, reason: str) -> None:
             if events is not None:
                 events.emit("checkpoint_corrupt", rank=0, path=str(path), reason=reason)
-        found[0] = newest_valid_checkpoint(root, report)
+        if choice == "auto" or attempt > 0:
+            found[0] = newest_valid_checkpoint(root, report)
     if env.distributed:
         dist.broadcast_object_list(found, src=0)
-    return found[0]
+    return found[0] if found[0] is not None or choice == "auto" else _explicit(choice)
+
+
+def _explicit(choice: str) -> Path | None:
+    """`never`, or a checkpoint directory named by the user (which must be sound)."""
+    if choice == "never":
+        return None
+    path = Path(choice)
+    read_trainer_state(path)  # a clear error now rather than deep inside DCP
+    reason = verify_checkpoint(path)
+    if reason:
+        raise PhalanxError(f"checkpoint {path} cannot be trusted: {reason}")
+    return path
 
 
 def check_resume_compatible(config: Config, data: PreparedData) -> None:

@@ -147,3 +147,9 @@ def test_restarts_exhausted_exit_code(clean):
                    "safe.max_restarts=1", check=False)
     assert proc.returncode == 4
     assert proc.stderr.strip().splitlines()[-1].startswith("error: the run failed again after 1 restarts")
+
+
+def test_restart_continues_from_this_launchs_checkpoint_even_with_resume_never(clean):
+    summary, events = drill(clean, "drill-kill-never", [{"fault": "kill", "rank": 0, "step": 14}],
+                            "checkpoint.resume=never")
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_loaded"] == [10]

@@ -61,10 +61,14 @@ def test_finished_run_is_not_trained_again(tiny_args):
     assert len([m for m in read_metrics(first["run_dir"]) if "loss" in m]) == 3
 
 
-def test_resume_never_starts_over(tiny_args):
-    train_json(*tiny_args, "train.max_steps=3")
+def test_resume_never_starts_over_and_keeps_the_old_checkpoints(tiny_args):
+    first = train_json(*tiny_args, "train.max_steps=3")
     fresh = train_json(*tiny_args, "train.max_steps=3", "checkpoint.resume=never")
     assert [m["step"] for m in read_metrics(fresh["run_dir"])].count(1) == 2
+    from pathlib import Path
+
+    kept = list(Path(first["run_dir"]).glob("checkpoints.before-*/step_00000003"))
+    assert len(kept) == 1 and fresh["last_checkpoint"] != str(kept[0])
 
 
 def test_generate_from_trained_run(tiny_args):
