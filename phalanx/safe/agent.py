@@ -28,6 +28,7 @@ from phalanx.safe.stacks import STACK_SIGNAL, innermost_frame, stack_file
 from phalanx.safe.watchdog import HangDetector, Stall
 
 STACK_WAIT_SECONDS = 2.0
+WAITING_PHASES = ("backward", "collective")  # phases in which a rank can be blocked by its peers
 
 
 class PhalanxAgent(LocalElasticAgent):
@@ -97,7 +98,9 @@ class PhalanxAgent(LocalElasticAgent):
         deadline = time.monotonic() + STACK_WAIT_SECONDS
         while time.monotonic() < deadline and not all(f.is_file() and f.stat().st_size for f in files.values()):
             time.sleep(0.05)
-        culprit = max(stalls, key=lambda s: s.stalled_for)
+        # A rank stalled in backward or a collective may only be waiting for a peer; one stalled in its own
+        # work is the likelier cause. Among equals, the one silent longest.
+        culprit = max(stalls, key=lambda s: (s.phase not in WAITING_PHASES, s.stalled_for))
         ranks = []
         for s in stalls:
             dump = files[s.local_rank].read_text() if files[s.local_rank].is_file() else ""
