@@ -55,6 +55,7 @@ def train(
     nnodes: str = typer.Option("1", "--nnodes", help="Number of nodes, or MIN:MAX, as torchrun takes it."),
     node_rank: int = typer.Option(0, "--node-rank", min=0, help="This node's rank (multi-node)."),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT shared by all nodes."),
+    rdzv_conf: str = typer.Option("", "--rdzv-conf", help="Rendezvous options, e.g. last_call_timeout=5."),
     json_out: bool = JsonOpt,
 ) -> None:
     """Train (or resume) the run a config describes; with no arguments, the built-in Shakespeare demo."""
@@ -68,7 +69,7 @@ def train(
     started = time.time()
     path, overrides = split_config_args(args)
     config = load_config(path, overrides)
-    spec = LaunchSpec(nproc, nnodes, node_rank, rdzv_endpoint)
+    spec = LaunchSpec(nproc, nnodes, node_rank, rdzv_endpoint, rdzv_conf)
     if spec.world_size != 1 and config.parallel.strategy == "none":
         raise PhalanxError("parallel.strategy=none runs one process; set parallel.strategy=ddp or fsdp for --nproc")
     if spec.world_size:

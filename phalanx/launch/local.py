@@ -28,11 +28,21 @@ class LaunchSpec:
     nnodes: str = "1"  # "N" or "MIN:MAX", as torchrun takes it
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+    rdzv_conf: str = ""  # "key=value,..." passed to the rendezvous, as torchrun's --rdzv-conf
 
     @property
     def world_size(self) -> int | None:
         """Total ranks, or None for an elastic range of nodes (known only at rendezvous)."""
         return self.nproc * int(self.nnodes) if self.nnodes.isdigit() else None
+
+    def rdzv_options(self) -> dict[str, str]:
+        options = {}
+        for item in filter(None, self.rdzv_conf.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise PhalanxError(f"--rdzv-conf takes key=value pairs separated by commas, not {item!r}")
+            options[key.strip()] = value.strip()
+        return options
 
     def node_range(self) -> tuple[int, int]:
         low, _, high = self.nnodes.partition(":")
@@ -59,7 +69,7 @@ def launch(spec: LaunchSpec, config: Config, show_progress: bool) -> None:
     else:
         raise PhalanxError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
     rdzv = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
-                                max_nodes=max_nodes)
+                                max_nodes=max_nodes, **spec.rdzv_options())
     if spec.nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks must not fight over the cores
     # The agent's shared TCPStore keeps the previous attempt's keys, so restarted ranks can read a dead
