@@ -6,6 +6,7 @@ traceback only under --debug).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -63,22 +64,26 @@ def train(
     from phalanx.data.loader import check_batch_sizes
     from phalanx.launch.local import LaunchSpec, launch
     from phalanx.safe.goodput import run_report
-    from phalanx.train.run_dir import prepare_run, read_metrics
-    from phalanx.train.trainer import SUMMARY_FILE, check_resume_compatible
+    from phalanx.train.run_dir import prepare_run, read_metrics, run_lock, start_timeline
+    from phalanx.train.trainer import SUMMARY_FILE, check_run
 
     started = time.time()
     path, overrides = split_config_args(args)
     config = load_config(path, overrides)
     spec = LaunchSpec(nproc, nnodes, node_rank, rdzv_endpoint, rdzv_conf)
-    if spec.world_size != 1 and config.parallel.strategy == "none":
+    spec.validate()
+    if spec.world_sizes() != [1] and config.parallel.strategy == "none":
         raise PhalanxError("parallel.strategy=none runs one process; set parallel.strategy=ddp or fsdp for --nproc")
-    if spec.world_size:
-        check_batch_sizes(config.train.global_batch_size, config.train.micro_batch_size, spec.world_size)
-    data = prepare_run(config, progress=not json_out)
-    check_resume_compatible(config, data)
-    launch(spec, config, show_progress=True)
-    if node_rank != 0:
-        return
+    for world_size in spec.world_sizes():  # an elastic job must fit every size it may shrink or grow to
+        check_batch_sizes(config.train.global_batch_size, config.train.micro_batch_size, world_size)
+    # Node 0 owns the run directory: it takes the lock and starts a new line of checkpoints if asked.
+    with run_lock(config.run_dir) if node_rank == 0 else contextlib.nullcontext():
+        if node_rank == 0:
+            start_timeline(config)
+        data = prepare_run(config, progress=not json_out)
+        check_run(config, data)
+        if not launch(spec, config):
+            return  # global rank 0 ran elsewhere: that node reports
     summary = json.loads((config.run_dir / SUMMARY_FILE).read_text())
     summary.update(run_report(config.run_dir, read_metrics(config.run_dir), started, time.time()))
     (config.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))

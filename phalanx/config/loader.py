@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import typing
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ def save_resolved(config: Config, run_dir: Path) -> Path:
     """Write the resolved config next to the run's outputs (atomically), so the run can be repeated."""
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / "config.yaml"
-    tmp = target.with_suffix(".yaml.tmp")
+    tmp = target.with_suffix(f".yaml.{os.getpid()}.tmp")  # several nodes may write it at once
     tmp.write_text(dump_yaml(config))
     tmp.replace(target)
     return target
@@ -87,6 +88,8 @@ def _read_with_extends(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         raise PhalanxError(f"config {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
     except OSError as exc:
         raise PhalanxError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise PhalanxError(f"config {path} is not UTF-8 text") from None
     if not isinstance(raw, dict):
         raise PhalanxError(f"config {path} must be a mapping of sections, not {type(raw).__name__}")
     parent = raw.pop("extends", None)
@@ -111,6 +114,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise PhalanxError(f"override '{item}' is not of the form section.key=value")
+    if key == "extends":
+        raise PhalanxError("'extends' belongs in a config file; name the file or preset as the CONFIG argument")
     try:
         value = yaml.safe_load(text) if text else ""
     except yaml.YAMLError:

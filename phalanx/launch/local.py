@@ -15,11 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.config.schema import Config
-from phalanx.errors import PhalanxError, RestartsExhaustedError
+from phalanx.errors import StoppedBySignal, PhalanxError, RendezvousFailedError, RestartsExhaustedError
 from phalanx.safe.events import JsonlEventSink
 from phalanx.safe.heartbeat import ENV_FILE, HeartbeatBoard
 from phalanx.train.checkpoint import checkpoint_step, latest_checkpoint
 from phalanx.train.run_dir import checkpoints_dir
+
+
+# The c10d rendezvous options a user may set (seconds), as torchrun's --rdzv-conf takes them.
+RDZV_OPTIONS = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval",
+                "keep_alive_max_attempt")
 
 
 @dataclass(frozen=True)
@@ -30,10 +35,25 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     rdzv_conf: str = ""  # "key=value,..." passed to the rendezvous, as torchrun's --rdzv-conf
 
-    @property
-    def world_size(self) -> int | None:
-        """Total ranks, or None for an elastic range of nodes (known only at rendezvous)."""
-        return self.nproc * int(self.nnodes) if self.nnodes.isdigit() else None
+    def world_sizes(self) -> list[int]:
+        """Every number of ranks the job may run with (one for a fixed node count)."""
+        low, high = self.node_range()
+        return [n * self.nproc for n in range(low, high + 1)]
+
+    def validate(self) -> None:
+        """Check the launch options before anything starts, with one clear line for each mistake."""
+        low, high = self.node_range()
+        if high > 1 and not self.rdzv_endpoint:
+            raise PhalanxError("several nodes need --rdzv-endpoint HOST:PORT (the same on every node)")
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise PhalanxError(f"--rdzv-endpoint must be HOST:PORT, not {self.rdzv_endpoint!r}")
+        for key, value in self.rdzv_options().items():
+            if key not in RDZV_OPTIONS:
+                raise PhalanxError(f"--rdzv-conf: unknown option {key!r} (valid: {', '.join(RDZV_OPTIONS)})")
+            if not value.isdigit():
+                raise PhalanxError(f"--rdzv-conf: {key} takes whole seconds, not {value!r}")
 
     def rdzv_options(self) -> dict[str, str]:
         options = {}
@@ -47,13 +67,17 @@ class LaunchSpec:
     def node_range(self) -> tuple[int, int]:
         low, _, high = self.nnodes.partition(":")
         try:
-            return int(low), int(high or low)
+            low, high = int(low), int(high or low)
         except ValueError:
-            raise PhalanxError(f"--nnodes must be N or MIN:MAX, not {self.nnodes!r}") from None
+            low = high = 0
+        if not 1 <= low <= high:
+            raise PhalanxError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, not {self.nnodes!r}")
+        return low, high
 
 
-def launch(spec: LaunchSpec, config: Config, show_progress: bool) -> None:
-    """Run the training on this node's ranks until it succeeds, or raise why it could not."""
+def launch(spec: LaunchSpec, config: Config) -> bool:
+    """Run the training on this node's ranks until it succeeds, or raise why it could not.
+    Returns whether this node ran global rank 0 (the rank that writes the run's summary)."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -61,13 +85,15 @@ def launch(spec: LaunchSpec, config: Config, show_progress: bool) -> None:
 
     from phalanx.safe.agent import PhalanxAgent
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    spec.validate()
     min_nodes, max_nodes = spec.node_range()
     if spec.rdzv_endpoint:
         endpoint, run_id = spec.rdzv_endpoint, config.run.name  # every node derives the same id
-    elif max_nodes == 1:
-        endpoint, run_id = "localhost:0", uuid.uuid4().hex  # a free port: parallel runs never collide
     else:
-        raise PhalanxError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        endpoint, run_id = "localhost:0", uuid.uuid4().hex  # a free port: parallel runs never collide
     rdzv = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
                                 max_nodes=max_nodes, **spec.rdzv_options())
     if spec.nproc > 1:
@@ -75,12 +101,13 @@ def launch(spec: LaunchSpec, config: Config, show_progress: bool) -> None:
     # The agent's shared TCPStore keeps the previous attempt's keys, so restarted ranks can read a dead
     # peer's address and fail to connect (pytorch/pytorch#135712); a fresh store per attempt avoids it.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    args = ["-m", "phalanx.train.worker", str(config.run_dir / "config.yaml")]
-    if not show_progress:
-        args.append("--no-progress")
+    try:
+        handler = rdzv_registry.get_rendezvous_handler(rdzv)
+    except (RendezvousError, ValueError, OSError) as exc:
+        raise RendezvousFailedError(f"cannot start the rendezvous at {endpoint}: {exc}") from None
     worker_spec = WorkerSpec(role="trainer", local_world_size=spec.nproc, entrypoint=sys.executable,
-                             args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv),
-                             max_restarts=config.safe.max_restarts, monitor_interval=0.1)
+                             args=("-m", "phalanx.train.worker", str(config.run_dir / "config.yaml")),
+                             rdzv_handler=handler, max_restarts=config.safe.max_restarts, monitor_interval=0.1)
     board = None
     if config.safe.heartbeats:
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
@@ -98,11 +125,18 @@ def launch(spec: LaunchSpec, config: Config, show_progress: bool) -> None:
                          events=JsonlEventSink(config.run_dir), board=board, newest_checkpoint_step=newest_step)
     try:
         result = agent.run()
+    except RendezvousError as exc:
+        raise RendezvousFailedError(f"the job could not form: {exc}") from None
+    except SignalException as exc:  # torch turns SIGTERM/SIGINT/SIGHUP into this after stopping the ranks
+        raise StoppedBySignal(exc.sigval) from None
     finally:
-        worker_spec.rdzv_handler.shutdown()
         os.environ.pop(ENV_FILE, None)
         if board is not None:
             board.close()
+        handler.shutdown()
+    if result is None:  # torch: this node was not needed once the rendezvous closed
+        return False
     if result.is_failed():
         raise RestartsExhaustedError(f"the run failed again after {config.safe.max_restarts} restarts; "
                                      f"last failure: {agent.last_failure}")
+    return agent.hosts_rank0

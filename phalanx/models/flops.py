@@ -70,8 +70,9 @@ def achieved_tflops(tokens_per_sec: float, flops_per_token: float) -> float:
     return tokens_per_sec * flops_per_token / 1e12
 
 
-def mfu(tokens_per_sec: float, flops_per_token: float, peak_tflops_total: float | None) -> float | None:
-    """Model FLOPs utilisation as a fraction (0.4 means 40%) of the summed peak of all devices used."""
-    if not peak_tflops_total:
+def mfu(tokens_per_sec: float, flops_per_token: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation as a fraction (0.4 means 40%): the FLOP rate of `tokens_per_sec` over
+    `peak_tflops`, for the same devices (callers pass one device's tokens/s and its dense bf16 peak)."""
+    if not peak_tflops:
         return None
-    return achieved_tflops(tokens_per_sec, flops_per_token) / peak_tflops_total
+    return achieved_tflops(tokens_per_sec, flops_per_token) / peak_tflops

@@ -46,12 +46,6 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def gpu_vendor() -> str | None:
-    if not torch.cuda.is_available():
-        return None
-    return "rocm" if torch.version.hip else "cuda"
-
-
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: allocator peak on GPUs, resident set peak on CPU."""
     if device.type == "cuda":

@@ -55,14 +55,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-def teardown() -> None:
+def teardown(clean: bool) -> None:
     """Destroy the process group after everything holding tensors is gone.
 
     On the CPU build of torch a rank could abort at exit ("terminate called without an active exception")
     when the group was destroyed while the model and optimizer were still alive; callers drop their
     references first and we collect here, which removed the abort in repeated runs (shared/DESIGN.md).
+    The closing barrier is only for a clean finish: a rank failing alone would wait in it while its
+    peers sit in another collective, turning its crash into a hang; it must exit so its agent sees it.
     """
     gc.collect()
     if dist.is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

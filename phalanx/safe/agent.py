@@ -41,6 +41,7 @@ class PhalanxAgent(LocalElasticAgent):
         self.attempt = 0
         self.failed_without_progress = 0
         self.last_failure = "none"
+        self.hosts_rank0 = False
         self._attempt_start_step = newest_checkpoint_step()
 
     # -- attempts ---------------------------------------------------------------------------------
@@ -51,6 +52,7 @@ class PhalanxAgent(LocalElasticAgent):
         self.attempt = self.safe.max_restarts - self._remaining_restarts
         self.events.emit("attempt_started", attempt=self.attempt)
         super()._initialize_workers(worker_group)
+        self.hosts_rank0 = any(w.global_rank == 0 for w in worker_group.workers)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.events.emit("restart", attempt=self.attempt + 1, reason=self.last_failure)
@@ -71,19 +73,26 @@ class PhalanxAgent(LocalElasticAgent):
         return result
 
     def _on_crash(self, result: RunResult) -> None:
-        beats = {b.local_rank: b for b in self.board.read()} if self.board is not None else {}
-        now = time.monotonic()
-        # When one rank dies, torch terminates its siblings (SIGTERM): those are consequences, not faults.
-        causes = {r: f for r, f in result.failures.items() if f.exitcode != -signal.SIGTERM} or result.failures
-        for rank, failure in sorted(causes.items()):
+        """One event per failure, naming the rank that most likely caused it."""
+        for rank, failure in result.failures.items():
             if failure.exitcode == PhalanxError.exit_code:  # bad input: the rank printed why
                 raise PhalanxError(f"rank {rank} stopped on bad input (its message is above)")
+        beats = {b.local_rank: b for b in self.board.read()} if self.board is not None else {}
+        now = time.monotonic()
+        ranks = []
+        for rank, failure in sorted(result.failures.items()):
             beat = beats.get(failure.local_rank)
-            self.events.emit("worker_failed", rank=rank, attempt=self.attempt, exitcode=failure.exitcode,
-                             step=beat.step if beat else None, phase=beat.phase if beat else None,
-                             stalled_for=now - beat.time if beat and beat.time else None)
-            self.last_failure = f"rank {rank} exited with code {failure.exitcode}" + (
-                f" at step {beat.step} ({beat.phase})" if beat else "")
+            ranks.append({"rank": rank, "exitcode": failure.exitcode, "step": beat.step if beat else None,
+                          "phase": beat.phase if beat else None,
+                          "stalled_for": now - beat.time if beat and beat.time else None})
+        # A rank killed by a signal is the likelier cause; peers then fail on broken connections, and
+        # those torch stopped itself (SIGTERM) are consequences. Then the one silent longest.
+        cause = max(ranks, key=lambda r: (r["exitcode"] < 0 and r["exitcode"] != -signal.SIGTERM,
+                                          r["stalled_for"] or 0.0))
+        self.events.emit("worker_failed", rank=cause["rank"], attempt=self.attempt, exitcode=cause["exitcode"],
+                         step=cause["step"], phase=cause["phase"], stalled_for=cause["stalled_for"], ranks=ranks)
+        self.last_failure = f"rank {cause['rank']} exited with code {cause['exitcode']}" + (
+            f" at step {cause['step']} ({cause['phase']})" if cause["step"] is not None else "")
 
     def _on_hang(self, worker_group: WorkerGroup, stalls: list[Stall]) -> None:
         """Dump every local rank's stack, then record who stalled, where and in which phase."""

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from phalanx.train.metrics import json_safe
+
 EVENTS_FILE = "events.jsonl"
 
 
@@ -27,7 +29,7 @@ class JsonlEventSink:
         self.node = socket.gethostname()
 
     def emit(self, kind: str, rank: int | None = None, **details: Any) -> dict[str, Any]:
-        event = {"time": time.time(), "node": self.node, "rank": rank, "kind": kind, **details}
+        event = json_safe({"time": time.time(), "node": self.node, "rank": rank, "kind": kind, **details})
         line = (json.dumps(event) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -23,6 +23,7 @@ from typing import Any
 
 from phalanx.safe.events import read_events
 
+FAILURES = ("worker_failed", "hang_detected")  # one event per incident, from the node agent
 FAULT_KINDS = {"worker_failed": "crash", "hang_detected": "hang", "save_failed": "save_failed",
                "checkpoint_corrupt": "corrupt_checkpoint"}
 
@@ -44,9 +45,8 @@ def account(events: list[dict], metrics: list[dict], wall_start: float, wall_end
         "checkpoint_save": _total(events, ("checkpoint_saved", "save_failed")),
         "checkpoint_load": _total(events, ("checkpoint_loaded",)),
         "startup": _startup(events, evals, wall_start),
-        "detection": sum(e.get("stalled_for") or 0.0 for e in events
-                         if e["kind"] in ("worker_failed", "hang_detected")),
-        "restart": _restart_time(events),
+        "detection": sum(e.get("stalled_for") or 0.0 for e in events if e["kind"] in FAILURES),
+        "restart": _restart_time(events, evals),
     }
     buckets["other"] = max(0.0, wall - sum(buckets.values()))
     faults = Counter(FAULT_KINDS[e["kind"]] for e in events if e["kind"] in FAULT_KINDS)
@@ -69,24 +69,28 @@ def _total(events: list[dict], kinds: tuple[str, ...]) -> float:
 
 
 def _startup(events: list[dict], evals: list[dict], wall_start: float) -> float:
-    """From the command to the first step (data preparation included), less loading and step-0 eval."""
-    first = next((e for e in events if e["kind"] == "training_started"), None)
-    if first is None:
+    """From the command to the first step (data preparation included), less loading and step-0 eval;
+    cut short by a fault before any step, from which on the time is detection and restart."""
+    end = next((e for e in events if e["kind"] in ("training_started",) + FAILURES), None)
+    if end is None:
         return 0.0
-    busy = _total([e for e in events if e["time"] <= first["time"]], ("checkpoint_loaded",))
-    busy += sum(m["eval_seconds"] for m in evals if m["step"] == 0 and m["time"] <= first["time"])
-    return max(0.0, first["time"] - wall_start - busy)
+    busy = _total([e for e in events if e["time"] <= end["time"]], ("checkpoint_loaded",))
+    busy += sum(m["eval_seconds"] for m in evals if m["step"] == 0 and m["time"] <= end["time"])
+    stalled = end.get("stalled_for") or 0.0  # counted as detection
+    return max(0.0, end["time"] - wall_start - busy - stalled)
 
 
-def _restart_time(events: list[dict]) -> float:
-    """From each detected fault until training runs again, less the checkpoint loading in between."""
+def _restart_time(events: list[dict], evals: list[dict]) -> float:
+    """From each detected fault until training runs again, less checkpoint loading and evaluation."""
     total, detected = 0.0, None
     for e in events:
-        if e["kind"] in ("worker_failed", "hang_detected") and detected is None:
+        if e["kind"] in FAILURES and detected is None:
             detected = e["time"]
         elif e["kind"] == "training_started" and detected is not None:
-            loads = _total([x for x in events if detected <= x["time"] <= e["time"]], ("checkpoint_loaded",))
-            total += max(0.0, e["time"] - detected - loads)
+            between = [x for x in events if detected <= x["time"] <= e["time"]]
+            busy = _total(between, ("checkpoint_loaded",))
+            busy += sum(m["eval_seconds"] for m in evals if detected <= m["time"] <= e["time"])
+            total += max(0.0, e["time"] - detected - busy)
             detected = None
     return total
 

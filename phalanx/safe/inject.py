@@ -1,13 +1,14 @@
 """Fault injection for drills and tests, driven by `safe.inject`; does nothing unless configured.
 
 Every fault fires on one rank at one step, once per run: firing is recorded as a `fault_injected` event
-before the fault acts, and a restarted attempt skips what the event log says already fired (unless the
-item has `repeat: true`, for crash-loop drills).
+before the fault acts, and a restarted attempt (or a later launch of the run) skips a fault the event
+log says already fired (unless the item has `repeat: true`, for crash-loop drills).
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import time
@@ -26,8 +27,8 @@ from phalanx.train.checkpoint import latest_checkpoint
 class FaultInjector:
     def __init__(self, specs: list[FaultSpec], rank: int, events: EventSink, run_dir: Path, heartbeat: Heartbeat,
                  checkpoints: Path):
-        fired = {e.get("index") for e in read_events(run_dir) if e["kind"] == "fault_injected"}
-        self._pending = [(i, s) for i, s in enumerate(specs) if s.rank == rank and (s.repeat or i not in fired)]
+        fired = {e.get("spec") for e in read_events(run_dir) if e["kind"] == "fault_injected"}
+        self._pending = [s for s in specs if s.rank == rank and (s.repeat or _key(s) not in fired)]
         self.rank, self.events, self.heartbeat, self.checkpoints = rank, events, heartbeat, checkpoints
         self.slow_seconds = 0.0
         # A hang inside a collective needs a group its peers share but never use: made by every rank
@@ -36,11 +37,10 @@ class FaultInjector:
         self._side_group = dist.new_group(backend="gloo") if wants_side_group and dist.is_initialized() else None
 
     def _fire(self, kinds: tuple[str, ...], step: int, at_or_after: bool = False) -> FaultSpec | None:
-        for item in self._pending:
-            index, spec = item
+        for spec in self._pending:
             if spec.fault in kinds and (spec.step <= step if at_or_after else spec.step == step):
-                self._pending.remove(item)
-                self.events.emit("fault_injected", rank=self.rank, index=index, fault=spec.fault, step=step,
+                self._pending.remove(spec)
+                self.events.emit("fault_injected", rank=self.rank, spec=_key(spec), fault=spec.fault, step=step,
                                  phase=spec.phase if spec.fault == "hang" else None, ms=spec.ms or None)
                 return spec
         return None
@@ -88,6 +88,11 @@ def corrupt_checkpoint(path: Path) -> None:
         chunk = f.read(64)
         f.seek(target.stat().st_size // 2)
         f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def _key(spec: FaultSpec) -> str:
+    """What makes two injected faults the same one: a fault fires once per run, whatever list it is in."""
+    return json.dumps(spec.model_dump(exclude={"repeat"}), sort_keys=True)
 
 
 def _block_forever() -> None:

@@ -43,6 +43,9 @@ class NumericsGuard:
         self._sum += loss
         self._sum_sq += loss * loss
 
-    def reset(self) -> None:
+    def reset(self, history: list[float] = ()) -> None:
+        """Start again from `history` (the losses a checkpoint saved), so a resume judges as before."""
         self.recent.clear()
         self._sum = self._sum_sq = 0.0
+        for loss in history:
+            self.accept(loss)

@@ -1,6 +1,7 @@
 """Hang detection on the node agent: which ranks have made no progress for longer than they should.
 
-A rank's limit depends on what it is doing: start-up (until its first step of this attempt is done),
+A rank's limit depends on what it is doing: start-up (until its first step of this attempt is done)
+and tear-down (after its last step),
 evaluation and checkpoint saves get their own generous timeouts; a training step gets a timeout
 calibrated from the step times seen so far (a multiple of their 99th percentile, never below a floor),
 unless `safe.hang_timeout_s` fixes it.
@@ -53,7 +54,7 @@ class HangDetector:
             return self.safe.eval_timeout_s
         if beat.phase == "checkpoint":
             return self.safe.checkpoint_timeout_s
-        if beat.phase == "start" or beat.last_step_seconds == 0.0:  # no step finished in this attempt yet
+        if beat.phase in ("start", "done") or beat.last_step_seconds == 0.0:  # start-up, tear-down
             return self.safe.startup_timeout_s
         return self.step_timeout()
 
@@ -63,7 +64,6 @@ class HangDetector:
             if beat.step != self._seen_steps.get(beat.local_rank) and beat.last_step_seconds > 0:
                 self._seen_steps[beat.local_rank] = beat.step
                 self.step_times.append(beat.last_step_seconds)
-        live = [b for b in beats if b.phase != "done"]
         stalls = [Stall(b.local_rank, b.step, b.phase, now - (b.time or self._attempt_start), self.limit(b))
-                  for b in live]
+                  for b in beats]
         return stalls if any(s.stalled_for > s.limit for s in stalls) else []

@@ -32,7 +32,10 @@ def load_run(run_dir: Path, device: torch.device | str = "cpu") -> LoadedModel:
     if checkpoint is None:
         raise PhalanxError(f"{run_dir} has no checkpoint yet; train it first (phalanx train)")
     tokenizer_path = run_dir / "tokenizer.json" if checkpoint != run_dir else run_dir.parent.parent / "tokenizer.json"
-    args = ModelArgs(**read_trainer_state(checkpoint)["model_args"])
+    try:
+        args = ModelArgs(**read_trainer_state(checkpoint)["model_args"])
+    except (KeyError, TypeError):
+        raise PhalanxError(f"checkpoint {checkpoint} has no usable model_args in its trainer.json") from None
     model = Transformer(args)
     load_model_weights(checkpoint, model)
     return LoadedModel(model.to(device).eval(), load_tokenizer(tokenizer_path), checkpoint)

@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from phalanx.errors import PhalanxError
-from phalanx.parallel.distributed import DistEnv, barrier
+from phalanx.errors import CheckpointLoadError, PhalanxError
+from phalanx.parallel.distributed import DistEnv
 
 # DCP warns on every single-process save/load; one process without a group is a normal way to run here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -60,7 +61,7 @@ def checkpoint_step(path: Path) -> int:
 def read_trainer_state(path: Path) -> dict[str, Any]:
     try:
         return json.loads((path / TRAINER_STATE).read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise PhalanxError(f"{path} is not a phalanx checkpoint (no {TRAINER_STATE})") from None
     except json.JSONDecodeError:
         raise PhalanxError(f"checkpoint {path} is corrupt: {TRAINER_STATE} is not valid JSON") from None
@@ -118,34 +119,38 @@ class Checkpointer:
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
              storage_writer=None) -> Path | str:
-        """The new checkpoint's path, or why the save failed (the same answer on every rank)."""
+        """The new checkpoint's path, or why the save failed: the same answer on every rank, whichever
+        rank hit the error, so all ranks go on training (or all stop) together."""
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".tmp-step_{step:08d}"
+        error = None
         if self.env.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died half-way
-            tmp.mkdir(parents=True)
-        barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        try:
-            # DCP gathers every rank's write errors and raises on all ranks, so all agree on failure.
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, storage_writer=storage_writer)
-            torch.save(_rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
-        except (Exception, CheckpointException) as exc:
-            barrier()
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died half-way
+                tmp.mkdir(parents=True)
+            except OSError as exc:
+                error = f"cannot create {tmp}: {exc.strerror}"
+        if (error := _agree(error)) is None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            try:
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, storage_writer=storage_writer)
+                torch.save(_rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
+            except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+                error = _first_line(exc)
+            error = _agree(error)
+        if error is None and self.env.is_main:
+            try:
+                (tmp / TRAINER_STATE).write_text(json.dumps({**state, "step": step}, indent=1))
+                write_manifest(tmp)
+                _publish(tmp, final)
+                for old in list_checkpoints(self.root)[: -self.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+            except OSError as exc:
+                error = f"cannot publish {final}: {exc.strerror}"
+        if (error := _agree(error)) is not None:
             if self.env.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            return _first_line(exc)
-        if self.env.is_main:
-            (tmp / TRAINER_STATE).write_text(json.dumps({**state, "step": step}, indent=1))
-        barrier()
-        if self.env.is_main:
-            write_manifest(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            _fsync_tree(tmp)
-            os.replace(tmp, final)
-            for old in list_checkpoints(self.root)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        barrier()
+            return error
         return final
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -154,7 +159,7 @@ class Checkpointer:
         try:
             dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            raise PhalanxError(f"cannot load checkpoint {path}: {_first_line(exc)}") from exc
+            raise CheckpointLoadError(f"cannot load checkpoint {path}: {_first_line(exc)}") from exc
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         rng_file = path / f"rng_rank{self.env.rank}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than saved: fresh seeds then
@@ -190,11 +195,32 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _fsync_tree(folder: Path) -> None:
-    """Flush the files before the rename publishes them, so a crash cannot leave a named but empty save."""
-    for f in folder.iterdir():
+def _agree(error: str | None) -> str | None:
+    """Every rank learns the first error any rank had (collective; only at save time)."""
+    if not dist.is_initialized():
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename a finished save into place, flushed first so a crash cannot leave a named but empty save.
+    A checkpoint already at that step (a replayed step) is replaced without a moment of having neither."""
+    for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
+    aside = final.with_name(f".old-{final.name}")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -26,7 +26,7 @@ class JsonlSink:
         self._file = open(path, "a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({**record, "time": time.time()}) + "\n")
+        self._file.write(json.dumps(json_safe({**record, "time": time.time()})) + "\n")
 
     def close(self) -> None:
         self._file.close()
@@ -76,5 +76,12 @@ class ProgressLine:
             self._progress.console.print(message)
 
 
-def finite_or_none(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
+def json_safe(value: Any) -> Any:
+    """NaN and Inf become null: strict JSON readers (jq, JSON.parse) reject Python's bare NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

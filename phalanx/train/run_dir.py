@@ -13,9 +13,12 @@ RUN_DIR/
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from phalanx.config.loader import save_resolved
@@ -32,17 +35,27 @@ def data_cache_dir(config: Config) -> Path:
     return config.run.dir / ".cache" / "data"
 
 
-def prepare_run(config: Config, progress: bool = True) -> PreparedData:
-    """Create the run directory, save the resolved config, tokenise the corpus (or reuse the cache).
+def start_timeline(config: Config) -> None:
+    """With `checkpoint.resume` set to `never` or a path, this launch starts a new line of checkpoints:
+    the run's earlier ones are moved to checkpoints.before-<ns>/ (never deleted), so that a restart
+    continues from this launch's own checkpoints and keep-rotation never mixes the two lines."""
+    old = checkpoints_dir(config.run_dir)
+    if config.checkpoint.resume == "auto" or not old.is_dir() or not any(old.iterdir()):
+        return
+    aside = config.run_dir / f"checkpoints.before-{time.time_ns()}"
+    old.rename(aside)
+    resume = Path(config.checkpoint.resume)
+    if resume.is_relative_to(old):  # the named checkpoint moved with the others
+        config.checkpoint.resume = str(aside / resume.relative_to(old))
 
-    With `checkpoint.resume=never`, earlier checkpoints are moved aside (never deleted): a restart
-    within this launch must continue from this launch's checkpoints only.
-    """
+
+def prepare_run(config: Config, progress: bool = True) -> PreparedData:
+    """Create the run directory, save the resolved config, tokenise the corpus (or reuse the cache)."""
     run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    old = checkpoints_dir(run_dir)
-    if config.checkpoint.resume == "never" and old.is_dir() and any(old.iterdir()):
-        old.rename(run_dir / f"checkpoints.before-{time.time_ns()}")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PhalanxError(f"cannot create run directory {run_dir}: {exc.strerror}") from None
     save_resolved(config, run_dir)
     d = config.data
     data = prepare_data(d.sources, Path.cwd(), data_cache_dir(config), d.vocab_size, d.tokenizer,
@@ -70,3 +83,21 @@ def read_metrics(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue  # a line cut short by a crash mid-write
     return records
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Held by `phalanx train` for the whole launch: a second launch on the same run directory would
+    rewrite the config its ranks re-read on restart, and could move its live checkpoints aside."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(run_dir / ".lock", "a+")
+    except OSError as exc:
+        raise PhalanxError(f"cannot create run directory {run_dir}: {exc.strerror}") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PhalanxError(f"{run_dir} is in use by another `phalanx train`; wait for it or pick "
+                               "another run.name") from None
+        yield

@@ -35,33 +35,36 @@ from phalanx.safe.inject import FaultInjector
 from phalanx.safe.numerics import NumericsGuard
 from phalanx.safe.stacks import register_stack_dump, stack_file
 from phalanx.safe.stragglers import StragglerDetector
-from phalanx.train.checkpoint import (Checkpointer, check_model_shape, latest_checkpoint, newest_valid_checkpoint,
+from phalanx.train.checkpoint import (Checkpointer, check_model_shape, list_checkpoints, newest_valid_checkpoint,
                                       read_trainer_state, verify_checkpoint)
 from phalanx.train.evaluate import Evaluator
-from phalanx.train.metrics import JsonlSink, NullSink, ProgressLine
+from phalanx.train.metrics import JsonlSink, MetricsSink, NullSink, ProgressLine, json_safe
 from phalanx.train.optim import build_optimizer, clip_gradients, lr_at
 from phalanx.train.run_dir import checkpoints_dir, prepared_data
 
 SUMMARY_FILE = "summary.json"
 
 
-def train(config: Config, show_progress: bool = True, attempt: int = 0) -> dict[str, Any]:
+def train(config: Config, attempt: int = 0) -> dict[str, Any]:
     """Run (or resume) the configured training on this rank; returns the run summary."""
     env = init_distributed(config.parallel.strategy, config.parallel.backend, config.parallel.device)
     stacks = register_stack_dump(stack_file(config.run_dir, attempt, env.rank))
+    clean = False
     try:
         # Model and optimizer live only inside the Trainer, released before the group is destroyed.
-        return Trainer(config, env, show_progress, attempt).run()
+        summary = Trainer(config, env).run()
+        clean = True
+        return summary
     finally:
-        teardown()
+        teardown(clean)
         stacks.close()
         if Path(stacks.name).stat().st_size == 0:  # nothing was dumped: no file to keep
             Path(stacks.name).unlink()
 
 
 class Trainer:
-    def __init__(self, config: Config, env: DistEnv, show_progress: bool, attempt: int = 0):
-        self.started, self.attempt = time.perf_counter(), attempt
+    def __init__(self, config: Config, env: DistEnv):
+        self.started = time.perf_counter()
         self.config, self.env, self.tc, self.safe = config, env, config.train, config.safe
         self.run_dir = config.run_dir
         self.heartbeat = Heartbeat(env.local_rank, enabled=self.safe.heartbeats)
@@ -97,8 +100,7 @@ class Trainer:
         self.tokens_per_step = tc.global_batch_size * tc.seq_len
         self.fpt = flops_per_token(self.args, tc.seq_len)
         self.peak = tc.peak_tflops or peak_tflops(device_name(env.device))
-        self.sink = JsonlSink(self.run_dir / "metrics.jsonl") if env.is_main else NullSink()
-        self.show_progress = show_progress and env.is_main
+        self.sink: MetricsSink = JsonlSink(self.run_dir / "metrics.jsonl") if env.is_main else NullSink()
         self.state: dict[str, Any] = {}
         self.last_checkpoint: str | None = None
         self.rolled_back_at: set[int] = set()
@@ -106,8 +108,8 @@ class Trainer:
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         tc = self.tc
-        step = self._resume(resume_path(self.config, self.env, self.events, self.attempt))
-        self.progress = ProgressLine(tc.max_steps, step, enabled=self.show_progress)
+        step = self._resume(resume_path(self.config, self.env, self.events))
+        self.progress = ProgressLine(tc.max_steps, step, enabled=self.env.is_main)
         if step == 0:
             self._evaluate(0)
         end_step = tc.halt_at_step or tc.max_steps
@@ -206,10 +208,10 @@ class Trainer:
     def _save(self, step: int, final: bool) -> None:
         self.heartbeat.beat("checkpoint", step)
         state = {"loader": self.loader.state_dict(), "model_args": dataclasses.asdict(self.args),
-                 "world_size": self.env.world_size,
+                 "world_size": self.env.world_size, "numerics_recent": list(self.guard.recent),
                  **{k: self.state.get(k) for k in ("val_loss_start", "val_loss", "train_loss")}}
         path = self.checkpointer.root / f"step_{step:08d}"
-        for attempt in range(2 if final else 1):  # the last save gets one retry: no later interval comes
+        for tries in range(2 if final else 1):  # the last save gets one retry: no later interval comes
             t0 = time.perf_counter()
             result = self.checkpointer.save(step, self.model, self.optimizer, state,
                                             storage_writer=self.faults.storage_writer(step, path))
@@ -218,7 +220,7 @@ class Trainer:
                 self.last_checkpoint = str(result)
                 self._emit("checkpoint_saved", step=step, seconds=seconds, path=str(result))
                 return
-            self._emit("save_failed", step=step, seconds=seconds, error=result, retry=attempt == 0 and final)
+            self._emit("save_failed", step=step, seconds=seconds, error=result, retry=tries == 0 and final)
             self.progress.log(f"step {step}: checkpoint save failed ({result}); training goes on")
 
     def _resume(self, path: Path | None) -> int:
@@ -229,6 +231,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.state = self.checkpointer.load(path, self.model, self.optimizer)
         self.loader.load_state_dict(self.state["loader"])
+        self.guard.reset(self.state.get("numerics_recent", []))
         self.state["resumed_step"] = self.state["step"]
         self.last_checkpoint = str(path)
         self._emit("checkpoint_loaded", step=self.state["step"], seconds=time.perf_counter() - t0, path=str(path))
@@ -236,13 +239,14 @@ class Trainer:
 
     def _rollback(self, step: int) -> bool:
         """Reload the newest checkpoint and replay from it, once per step; False means skip instead."""
-        path = latest_checkpoint(self.checkpointer.root)
-        if self.safe.numerics != "rollback" or step in self.rolled_back_at or path is None:
+        if self.safe.numerics != "rollback" or step in self.rolled_back_at:
+            return False
+        path = resume_path(self.config, self.env, self.events)  # verified, as for a restart
+        if path is None:
             return False
         self.rolled_back_at.add(step)
         self.optimizer.zero_grad(set_to_none=True)
         self._resume(path)
-        self.guard.reset()
         self._emit("rollback", step=step, to_step=self.state["step"])
         self.progress.log(f"step {step}: numerics guard rolled back to step {self.state['step']}")
         return True
@@ -279,41 +283,37 @@ class Trainer:
             "last_checkpoint": self.last_checkpoint, "wall_seconds": time.perf_counter() - self.started,
             "halted": self.tc.halt_at_step is not None and steps_done < self.tc.max_steps,
         }
+        summary = json_safe(summary)
         if self.env.is_main:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
         return summary
 
 
-def resume_path(config: Config, env: DistEnv | None = None, events: JsonlEventSink | None = None,
-                attempt: int = 0) -> Path | None:
-    """The checkpoint this run continues from; the same answer on every rank.
+def resume_path(config: Config, env: DistEnv, events: JsonlEventSink | None = None) -> Path | None:
+    """The checkpoint the ranks continue from, the same on every rank, on any attempt.
 
-    `checkpoint.resume` decides for the first attempt of a launch; a restarted attempt always continues
-    from the newest checkpoint in the run directory (written by this launch: `never` moved older ones
-    aside), falling back to that choice when there is none yet. Rank 0 verifies candidates against their
-    manifests, sets corrupt ones aside (an event each) and shares its choice with the other ranks.
+    The run directory's newest sound checkpoint: with `checkpoint.resume` set to `never` or a path, the
+    launcher moved older ones aside (run_dir.start_timeline), so whatever is there was written by this
+    launch, and restarts or a re-formed group continue from it. With none there, `never` starts at step
+    0 and a path loads that checkpoint. Rank 0 checks candidates against their manifests, sets corrupt
+    ones aside (an event each) and shares its choice.
     """
-    choice = config.checkpoint.resume
-    root = checkpoints_dir(config.run_dir)
-    if env is None:  # before any rank starts: only a look, nothing is moved
-        return latest_checkpoint(root) if choice == "auto" else _explicit(choice)
     found: list[Any] = [None]
     if env.is_main:
         def report(path: Path, reason: str) -> None:
             if events is not None:
                 events.emit("checkpoint_corrupt", rank=0, path=str(path), reason=reason)
-        if choice == "auto" or attempt > 0:
-            found[0] = newest_valid_checkpoint(root, report)
+        found[0] = newest_valid_checkpoint(checkpoints_dir(config.run_dir), report) or explicit_checkpoint(config)
     if env.distributed:
         dist.broadcast_object_list(found, src=0)
-    return found[0] if found[0] is not None or choice == "auto" else _explicit(choice)
+    return found[0]
 
 
-def _explicit(choice: str) -> Path | None:
-    """`never`, or a checkpoint directory named by the user (which must be sound)."""
-    if choice == "never":
+def explicit_checkpoint(config: Config) -> Path | None:
+    """The checkpoint named by `checkpoint.resume` (which must be sound), or None for auto and never."""
+    if config.checkpoint.resume in ("auto", "never"):
         return None
-    path = Path(choice)
+    path = Path(config.checkpoint.resume)
     read_trainer_state(path)  # a clear error now rather than deep inside DCP
     reason = verify_checkpoint(path)
     if reason:
@@ -321,11 +321,23 @@ def _explicit(choice: str) -> Path | None:
     return path
 
 
-def check_resume_compatible(config: Config, data: PreparedData) -> None:
-    """Run before launching ranks, so a shape mismatch is one line from the launcher, not N from ranks."""
-    path = resume_path(config)
-    if path is not None:
-        check_model_shape(path, dataclasses.asdict(model_args(config.model, data.vocab_size, config.train.seq_len)))
+def check_run(config: Config, data: PreparedData) -> None:
+    """What the ranks would refuse, checked once before they start, so it is one line from the launcher:
+    the model's shape, data enough for a sequence, and the shape of the checkpoint it would resume
+    (the newest whose trainer.json reads; the ranks verify its files)."""
+    args = dataclasses.asdict(model_args(config.model, data.vocab_size, config.train.seq_len))
+    TokenDataset(data.train_shards, config.train.seq_len, "the training split")
+    TokenDataset(data.val_shards, config.train.seq_len, "the validation split")
+    for path in reversed(list_checkpoints(checkpoints_dir(config.run_dir))):
+        try:
+            read_trainer_state(path)
+        except PhalanxError:
+            continue  # unreadable: the ranks will set it aside
+        check_model_shape(path, args)
+        return
+    explicit = explicit_checkpoint(config)
+    if explicit is not None:
+        check_model_shape(explicit, args)
 
 
 def attempt_number() -> int:

@@ -14,9 +14,9 @@ from phalanx.train.trainer import attempt_number, train
 
 
 def main(argv: list[str]) -> int:
-    config_path, *flags = argv
+    (config_path,) = argv
     try:
-        train(load_config(config_path), show_progress="--no-progress" not in flags, attempt=attempt_number())
+        train(load_config(config_path), attempt=attempt_number())
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

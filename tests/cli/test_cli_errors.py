@@ -73,3 +73,64 @@ def test_unknown_model_preset(preset):
 def test_debug_shows_the_traceback():
     proc = phalanx("--debug", "train", "train.max_step=5", check=False)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+@pytest.mark.parametrize("launch, message", [
+    (["--rdzv-endpoint", "localhost:abc", "--nnodes", "2"], "--rdzv-endpoint must be HOST:PORT"),
+    (["--nnodes", "2:1"], "--nnodes must be N or MIN:MAX"),
+    (["--nnodes", "2"], "several nodes need --rdzv-endpoint"),
+    (["--rdzv-conf", "last_call_timeout=abc"], "takes whole seconds"),
+    (["--rdzv-conf", "endpoint=x"], "unknown option 'endpoint'"),
+])
+def test_bad_launch_options(tiny_args, launch, message):
+    assert message in fails("train", *tiny_args, *launch)
+
+
+def test_elastic_range_must_fit_every_size(tiny_args):
+    line = fails("train", *tiny_args, "train.global_batch_size=12", "train.micro_batch_size=4", "--nnodes", "1:3",
+                 "--rdzv-endpoint", "127.0.0.1:29999")
+    assert "2 data-parallel ranks" in line  # 12 fits 1 and 3 ranks of 4, not 2
+
+
+def test_what_ranks_would_refuse_is_one_line_from_the_launcher(tiny_args):
+    assert "exceeds the model's max_seq_len" in fails("train", *tiny_args, "train.seq_len=128")
+    assert "smaller than the tokenizer" in fails("train", *tiny_args, "model.vocab_size=100")
+
+
+def test_unusable_paths(tiny_args, tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    assert "cannot create run directory" in fails("train", *tiny_args, f"run.dir={tmp_path / 'a-file'}")
+    assert "not a phalanx checkpoint" in fails("train", *tiny_args, f"checkpoint.resume={tmp_path / 'a-file'}")
+    (tmp_path / "latin1.yaml").write_bytes("train:\n  lr: 0.1 # caf\xe9\n".encode("latin-1"))
+    assert "not UTF-8" in fails("config", "show", str(tmp_path / "latin1.yaml"))
+    assert "belongs in a config file" in fails("config", "show", "extends=demo")
+
+
+def test_one_launch_per_run_directory(tiny_args, runs_root):
+    import fcntl
+
+    name = next(a for a in tiny_args if a.startswith("run.name=")).split("=", 1)[1]
+    (runs_root / name).mkdir(parents=True, exist_ok=True)
+    with open(runs_root / name / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert "in use by another `phalanx train`" in fails("train", *tiny_args)
+
+
+def test_sigterm_stops_the_ranks_and_exits_143(tiny_args, runs_root):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    name = next(a for a in tiny_args if a.startswith("run.name=")).split("=", 1)[1]
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "train", *tiny_args, "train.max_steps=100000",
+                             "checkpoint.interval=100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = runs_root / name / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count('"loss"') >= 3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143
+    assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
+    assert "Traceback" not in err

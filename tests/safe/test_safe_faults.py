@@ -98,6 +98,10 @@ def test_nan_loss_with_skip_policy_skips_the_update(clean):
     losses = losses_by_step(summary["run_dir"])
     assert {s: losses[s] for s in range(1, 33)} == {s: clean_losses[s] for s in range(1, 33)}
     assert losses[34] != clean_losses[34]  # one update fewer from here on
+    from helpers import read_metrics
+
+    skipped = [m for m in read_metrics(summary["run_dir"]) if m.get("skipped")]
+    assert [(m["step"], m["loss"]) for m in skipped] == [(33, None)]  # NaN is written as JSON null
     assert "step_skipped" in kinds(read_events(Path(summary["run_dir"])))
 
 

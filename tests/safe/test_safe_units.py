@@ -153,3 +153,16 @@ def test_goodput_buckets_from_events_and_metrics():
     assert report["restarts"] == 1 and report["faults"] == {"crash": 1, "nan": 1}
     assert report["stragglers"] == [{"rank": 1, "node": "n1", "score": 0.4, "alerts": 2}]
     assert report["ettr"] == 4.0 / 25
+
+
+def test_goodput_buckets_never_overlap_when_the_first_attempt_dies_early():
+    t0 = 0.0
+    events = [{"time": 1.0, "kind": "attempt_started"},
+              {"time": 6.0, "kind": "worker_failed", "stalled_for": 2.0},  # died before its first step
+              {"time": 6.0, "kind": "restart"}, {"time": 6.0, "kind": "attempt_started"},
+              {"time": 10.0, "kind": "training_started"}]
+    metrics = [{"step": 0, "val_loss": 9.0, "eval_seconds": 1.0, "time": 9.5},
+               {"step": 1, "loss": 5.0, "step_seconds": 1.0, "time": 11.0}]
+    g = account(events, metrics, t0, 12.0)["goodput"]
+    assert g["startup"] == 4.0 and g["detection"] == 2.0 and g["restart"] == 3.0 and g["eval"] == 1.0
+    assert sum(g.values()) == pytest.approx(12.0) and g["other"] == pytest.approx(1.0)
