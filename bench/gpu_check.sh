@@ -23,4 +23,4 @@ B="python3 -m phalanx bench --json --warmup 3 --steps 10"
 # The demo config on the GPU: bf16 autocast end to end, then text from it.
 run python3 -m phalanx train run.dir=/tmp/runs --json 2>"$OUT/train.err" | tee "$OUT/train.json"
 run python3 -m phalanx generate /tmp/runs/demo "ROMEO:" --max-new-tokens 80 --seed 0 2>&1 | tee "$OUT/generate.txt"
-tail -3 "$OUT/bench.err" "$OUT/train.err"
+tail -n 3 "$OUT/bench.err" "$OUT/train.err"

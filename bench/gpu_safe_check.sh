@@ -24,4 +24,4 @@ for run in ("kill", "hang", "nan"):
     diff = max(abs(other[s] - clean[s]) for s in clean)
     print(run, "steps", len(other), "bit-identical" if other == clean else f"max |diff| {diff:.3g}")
 PY
-tail -2 "$OUT"/*.err
+tail -n 2 "$OUT"/*.err

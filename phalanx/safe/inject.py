@@ -53,12 +53,12 @@ class FaultInjector:
                 corrupt_checkpoint(newest)
         if self._fire(("kill",), step):
             os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no exception handler
-        spec = self._fire(("hang", "slow"), step)
-        if spec and spec.fault == "slow":
-            self.slow_seconds = spec.ms / 1000
-        elif spec and spec.phase == "forward":
+        if slow := self._fire(("slow",), step):
+            self.slow_seconds = slow.ms / 1000
+        hang = self._fire(("hang",), step)
+        if hang and hang.phase == "forward":
             _block_forever()
-        elif spec:  # phase == collective: blocks inside an all-reduce that no peer joins
+        elif hang:  # phase == collective: blocks inside an all-reduce that no peer joins
             self.heartbeat.beat("collective")
             dist.all_reduce(torch.zeros(1), group=self._side_group)
             _block_forever()

@@ -9,13 +9,45 @@ threshold that also lose at least `straggler_min_ms` per step are stragglers. Un
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import statistics
+import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from phalanx.parallel.distributed import DistEnv
+
+
+class ComputeClock:
+    """A rank's own work in one step. Host time for data loading; for forward passes host time on CPU
+    but CUDA events on GPUs, which run asynchronously: host time there would only count kernel launches.
+    Read `seconds()` after the step's host sync, when the events have completed."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host, self.events = 0.0, []
+
+    def reset(self) -> None:
+        self.host, self.events = 0.0, []
+
+    @contextlib.contextmanager
+    def measure(self, host: bool = False) -> Iterator[None]:
+        if self.cuda and not host:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.host += time.perf_counter() - t0
+
+    def seconds(self) -> float:
+        return self.host + sum(start.elapsed_time(end) for start, end in self.events) / 1000
 
 
 class StragglerDetector:

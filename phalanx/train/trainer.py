@@ -34,7 +34,7 @@ from phalanx.safe.heartbeat import Heartbeat
 from phalanx.safe.inject import FaultInjector
 from phalanx.safe.numerics import NumericsGuard
 from phalanx.safe.stacks import register_stack_dump, stack_file
-from phalanx.safe.stragglers import StragglerDetector
+from phalanx.safe.stragglers import ComputeClock, StragglerDetector
 from phalanx.train.checkpoint import (Checkpointer, check_model_shape, list_checkpoints, newest_valid_checkpoint,
                                       read_trainer_state, verify_checkpoint)
 from phalanx.train.evaluate import Evaluator
@@ -92,6 +92,7 @@ class Trainer:
         self.evaluator = Evaluator(TokenDataset(data.val_shards, tc.seq_len), tc, env, self.autocast)
         self.checkpointer = Checkpointer(checkpoints_dir(self.run_dir), config.checkpoint.keep, env)
         self.guard = NumericsGuard(self.safe.spike_zscore, self.safe.spike_window)
+        self.clock = ComputeClock(env.device)
         self.stragglers = StragglerDetector(self.safe.straggler_window, self.safe.straggler_threshold,
                                             self.safe.straggler_min_ms / 1000, env)
         self.faults = FaultInjector(self.safe.inject, env.rank, self.events, self.run_dir, self.heartbeat,
@@ -148,33 +149,33 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.heartbeat.beat("data", step)
-        t_data = time.perf_counter()
-        micro_batches = self.loader.next_batch()
-        compute = time.perf_counter() - t_data
+        self.clock.reset()
+        with self.clock.measure(host=True):
+            micro_batches = self.loader.next_batch()
         loss_sum = torch.zeros((), device=self.env.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             self.heartbeat.beat("forward")
-            t_forward = time.perf_counter()
-            if i == 0:
-                self.faults.in_forward(step)
-            inputs = inputs.to(self.env.device, non_blocking=True)
-            targets = targets.to(self.env.device, non_blocking=True)
             with gradient_sync(self.model, enabled=i == len(micro_batches) - 1):
-                with self.autocast():
-                    logits = self.model(inputs)
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-                compute += time.perf_counter() - t_forward  # own work only: backward waits on peers
+                with self.clock.measure():  # a rank's own work: backward may wait on its peers
+                    if i == 0:
+                        self.faults.in_forward(step)
+                    inputs = inputs.to(self.env.device, non_blocking=True)
+                    targets = targets.to(self.env.device, non_blocking=True)
+                    with self.autocast():
+                        logits = self.model(inputs)
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
                 if i == 0 and self.faults.nan_loss(step):
                     loss = loss * float("nan")
                 self.heartbeat.beat("backward")
                 (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
-        self.stragglers.record(compute)
         self.heartbeat.beat("collective")
         grad_norm = clip_gradients(self.params, self.tc.grad_clip)
         # One small all-reduce and one host sync per step: the loss and grad norm the guard needs.
         loss_sum = all_reduce_sum(loss_sum) / (len(micro_batches) * self.env.world_size)
         train_loss, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum)]).tolist()
+        compute = self.clock.seconds()  # after the sync above: the GPU timing events are complete
+        self.stragglers.record(compute)
 
         self.heartbeat.beat("optimizer")
         anomaly = self.guard.check(train_loss, grad_norm) if self.safe.numerics != "none" else None
