@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from phalanx.train.metrics import json_safe
+from phalanx.train.metrics import json_safe, read_jsonl
 
 EVENTS_FILE = "events.jsonl"
 
@@ -40,13 +40,4 @@ class JsonlEventSink:
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / EVENTS_FILE
-    if not path.is_file():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash mid-write
-    return events
+    return read_jsonl(Path(run_dir) / EVENTS_FILE)

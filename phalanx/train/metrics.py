@@ -76,6 +76,19 @@ class ProgressLine:
             self._progress.console.print(message)
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (none if it is missing), skipping a line a crash cut short."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 def json_safe(value: Any) -> Any:
     """NaN and Inf become null: strict JSON readers (jq, JSON.parse) reject Python's bare NaN."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -25,6 +25,7 @@ from phalanx.config.loader import save_resolved
 from phalanx.config.schema import Config
 from phalanx.data.prepare import PreparedData, prepare_data
 from phalanx.errors import PhalanxError
+from phalanx.train.metrics import read_jsonl
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -73,16 +74,7 @@ def prepared_data(run_dir: Path) -> PreparedData:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash mid-write
-    return records
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 @contextlib.contextmanager
