@@ -77,18 +77,16 @@ class LaunchSpec:
 
 def launch(spec: LaunchSpec, config: Config) -> bool:
     """Run the training on this node's ranks until it succeeds, or raise why it could not.
-    Returns whether this node ran global rank 0 (the rank that writes the run's summary)."""
+    Returns whether this node ran global rank 0 (the rank that writes the run's summary).
+    The caller has validated `spec` and prepared the run directory."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     from phalanx.safe.agent import PhalanxAgent
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousError
-
-    spec.validate()
     min_nodes, max_nodes = spec.node_range()
     if spec.rdzv_endpoint:
         endpoint, run_id = spec.rdzv_endpoint, config.run.name  # every node derives the same id

@@ -42,6 +42,7 @@ class PhalanxAgent(LocalElasticAgent):
         self.failed_without_progress = 0
         self.last_failure = "none"
         self.hosts_rank0 = False
+        self._failed = False
         self._attempt_start_step = newest_checkpoint_step()
 
     # -- attempts ---------------------------------------------------------------------------------
@@ -55,7 +56,12 @@ class PhalanxAgent(LocalElasticAgent):
         self.hosts_rank0 = any(w.global_rank == 0 for w in worker_group.workers)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        self.events.emit("restart", attempt=self.attempt + 1, reason=self.last_failure)
+        # torch also restarts the group when nodes join an elastic job: a regroup, not a recovery.
+        if self._failed:
+            self.events.emit("restart", attempt=self.attempt + 1, reason=self.last_failure)
+        else:
+            self.events.emit("regroup", attempt=self.attempt, reason="nodes are waiting to join")
+        self._failed = False
         super()._restart_workers(worker_group)
 
     # -- monitoring -------------------------------------------------------------------------------
@@ -69,6 +75,7 @@ class PhalanxAgent(LocalElasticAgent):
                 self._on_hang(worker_group, stalls)
                 result = RunResult(state=WorkerState.FAILED)
         if result.state == WorkerState.FAILED:
+            self._failed = True
             self._check_crash_loop()
         return result
 
