@@ -20,7 +20,7 @@ def test_no_config_is_the_demo_preset():
 
 
 def test_extends_preset_and_file_chain_with_deep_merge(tmp_path):
-    base = write(tmp_path / "base.yaml", {"extends": "demo", "train": {"max_steps": 50, "lr": 1e-3}})
+    write(tmp_path / "base.yaml", {"extends": "demo", "train": {"max_steps": 50, "lr": 1e-3}})
     (tmp_path / "sub").mkdir()
     child = write(tmp_path / "sub" / "child.yaml", {"extends": "../base.yaml", "train": {"lr": 2e-3}})
     config = load_config(child)
