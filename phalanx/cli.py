@@ -20,6 +20,10 @@ from rich.table import Table
 from rich.text import Text
 
 from phalanx.errors import PhalanxError
+from phalanx.export.commands import register as register_export
+from phalanx.observe.commands import register as register_observe
+from phalanx.plan.commands import register as register_plan
+from phalanx.serve.commands import register as register_serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train, keep alive, observe and serve Llama-style language models on any accelerator.")
@@ -63,6 +67,9 @@ def train(
     from phalanx.config.loader import load_config
     from phalanx.data.loader import check_batch_sizes
     from phalanx.launch.local import LaunchSpec, launch
+    from phalanx.models.flops import count_params
+    from phalanx.models.from_config import model_args
+    from phalanx.observe.observer import observe_run
     from phalanx.safe.goodput import run_report
     from phalanx.train.run_dir import prepare_run, read_metrics, run_lock, start_timeline
     from phalanx.train.trainer import SUMMARY_FILE, check_run
@@ -82,8 +89,11 @@ def train(
             start_timeline(config)
         data = prepare_run(config, progress=not json_out)
         check_run(config, data)
-        if not launch(spec, config):
-            return  # global rank 0 ran elsewhere: that node reports
+        args = model_args(config.model, data.vocab_size, config.train.seq_len)
+        model = f"{config.model.preset} ({count_params(args) / 1e6:,.1f}M)"
+        with observe_run(config, node_rank, spec.nproc * spec.node_range()[1], model, started):
+            if not launch(spec, config):
+                return  # global rank 0 ran elsewhere: that node reports
     summary = json.loads((config.run_dir / SUMMARY_FILE).read_text())
     summary.update(run_report(config.run_dir, read_metrics(config.run_dir), started, time.time()))
     (config.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
@@ -176,6 +186,10 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:,.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
     return "-" if value is None else str(value)
+
+
+for register in (register_observe, register_export, register_serve, register_plan):
+    register(app)
 
 
 def main() -> None:

@@ -135,6 +135,19 @@ class SafeSection(Section):
     inject: list[FaultSpec] = Field(default_factory=list)
 
 
+class ObserveSection(Section):
+    """Where a run's metrics and events go besides the plain files in its run directory."""
+
+    # null: an SQLite file RUNS_ROOT/phalanx.db; a SQLAlchemy URL (postgresql://user@host/db) for a store
+    # several machines share; or `none` for no store.
+    store: str | None = None
+    # Prometheus /metrics from the node agent while the run trains; null: not served, 0: any free port.
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard")
+    sync_interval_s: float = Field(1.0, gt=0, description="how often the agent copies new records to the store")
+
+
 class Config(Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -143,6 +156,7 @@ class Config(Section):
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     safe: SafeSection = Field(default_factory=SafeSection)
+    observe: ObserveSection = Field(default_factory=ObserveSection)
 
     @property
     def run_dir(self) -> Path:

@@ -32,6 +32,14 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+RANKS_DIR = "ranks"
+
+
+def rank_timings_file(run_dir: Path, rank: int) -> Path:
+    """Each rank's own step timings (JSON lines), which the node agent copies into the run store."""
+    return run_dir / RANKS_DIR / f"rank_{rank}.jsonl"
+
+
 def data_cache_dir(config: Config) -> Path:
     return config.run.dir / ".cache" / "data"
 

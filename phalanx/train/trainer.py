@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from phalanx.train.checkpoint import (Checkpointer, check_model_shape, list_chec
 from phalanx.train.evaluate import Evaluator
 from phalanx.train.metrics import JsonlSink, MetricsSink, NullSink, ProgressLine, json_safe
 from phalanx.train.optim import build_optimizer, clip_gradients, lr_at
-from phalanx.train.run_dir import checkpoints_dir, prepared_data
+from phalanx.train.run_dir import checkpoints_dir, prepared_data, rank_timings_file
 
 SUMMARY_FILE = "summary.json"
 
@@ -102,6 +103,9 @@ class Trainer:
         self.fpt = flops_per_token(self.args, tc.seq_len)
         self.peak = tc.peak_tflops or peak_tflops(device_name(env.device))
         self.sink: MetricsSink = JsonlSink(self.run_dir / "metrics.jsonl") if env.is_main else NullSink()
+        # Every rank's own timings, for the store's rank-by-step heatmap (one small line per step).
+        self.rank_sink = JsonlSink(rank_timings_file(self.run_dir, env.rank))
+        self.node = socket.gethostname()
         self.state: dict[str, Any] = {}
         self.last_checkpoint: str | None = None
         self.rolled_back_at: set[int] = set()
@@ -126,6 +130,9 @@ class Trainer:
                     continue
                 step_seconds = record["step_seconds"] = time.perf_counter() - t0
                 self.heartbeat.step_done(step, step_seconds)
+                self.rank_sink.write({"step": step, "rank": self.env.rank, "node": self.node,
+                                      "step_seconds": step_seconds, "compute_seconds": record["compute_seconds"],
+                                      "data_seconds": record.pop("data_seconds")})
                 if step > self.state.get("resumed_step", 0) + 1 or step == end_step:  # skip warm-up/compile
                     timed_steps, timed_seconds = timed_steps + 1, timed_seconds + step_seconds
                 tps = self.tokens_per_step / step_seconds
@@ -141,6 +148,7 @@ class Trainer:
                     self._save(step, final=step == end_step)
         self.heartbeat.beat("done", step)
         self.sink.close()
+        self.rank_sink.close()
         return self._summary(max(step, self.state.get("resumed_step", 0)), timed_steps, timed_seconds)
 
     def _step(self, step: int) -> dict[str, Any] | None:
@@ -150,8 +158,10 @@ class Trainer:
             group["lr"] = lr
         self.heartbeat.beat("data", step)
         self.clock.reset()
+        t_data = time.perf_counter()
         with self.clock.measure(host=True):
             micro_batches = self.loader.next_batch()
+        data_seconds = time.perf_counter() - t_data
         loss_sum = torch.zeros((), device=self.env.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             self.heartbeat.beat("forward")
@@ -190,6 +200,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state["train_loss"] = train_loss
         return {"step": step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm, "compute_seconds": compute,
+                "data_seconds": data_seconds,
                 **({"skipped": anomaly} if anomaly else {})}
 
     # -- evaluation, checkpoints, recovery -----------------------------------------------------------

@@ -1,0 +1,104 @@
+"""What `phalanx train` does to make a run observable: register it in the run store, follow its files
+into the store while it trains, serve the node's /metrics, and record how the launch ended."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from phalanx.config.schema import Config
+from phalanx.errors import PhalanxError, StoppedBySignal
+from phalanx.observe.follower import RunFollower
+from phalanx.observe.store import RunStore
+
+
+def open_store(config: Config) -> RunStore | None:
+    if config.observe.store == "none":
+        return None
+    return RunStore.open(config.observe.store, config.run.dir)
+
+
+@contextlib.contextmanager
+def observe_run(config: Config, node_rank: int, world_size: int, model: str, started: float) -> Iterator[None]:
+    """Around a launch. Node 0 follows the run directory (a shared file system holds every rank's
+    files there); other nodes add themselves to the run's node list."""
+    store = open_store(config)
+    run_id = None
+    if store is not None:
+        run_id = store.start_run(config.run.name, config.run_dir, json.loads(config.model_dump_json()), model,
+                                 world_size, config.train.max_steps, socket.gethostname())
+    follower = None
+    if node_rank == 0:
+        follower = RunFollower(config.run_dir, config.run.name, started, store, run_id,
+                               config.observe.sync_interval_s, config.observe.tensorboard).start()
+    server = _start_metrics_server(config, follower) if follower is not None else None
+    status, error = "finished", None
+    try:
+        yield
+    except StoppedBySignal:
+        status = "stopped"
+        raise
+    except BaseException as exc:
+        status, error = "failed", str(exc) or type(exc).__name__
+        raise
+    finally:
+        if server is not None:
+            server.shutdown()
+        if follower is not None:
+            follower.stop()
+        if store is not None and node_rank == 0:
+            store.finish_run(run_id, _final_status(config, status), error)
+        if store is not None:
+            store.close()
+
+
+def _final_status(config: Config, status: str) -> str:
+    """A run halted early on purpose (train.halt_at_step) is stopped, not finished: it will resume."""
+    if status == "finished" and config.train.halt_at_step is not None and \
+            config.train.halt_at_step < config.train.max_steps:
+        return "stopped"
+    return status
+
+
+def _start_metrics_server(config: Config, follower: RunFollower) -> Any:
+    port = config.observe.metrics_port
+    if port is None:
+        return None
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from phalanx.observe.prom import TrainingCollector
+
+    registry = CollectorRegistry()
+    registry.register(TrainingCollector(follower.state))
+    try:
+        server, _thread = start_http_server(port, addr=config.observe.metrics_host, registry=registry)
+    except OSError as exc:
+        raise PhalanxError(f"cannot serve /metrics on {config.observe.metrics_host}:{port}: {exc.strerror}") from None
+    bound = server.server_address[1]
+    # The port the agent bound (observe.metrics_port=0 picks a free one), for people and tests to find.
+    (config.run_dir / "metrics_port").write_text(f"{bound}\n")
+    return server
+
+
+def sync_run_dir(store: RunStore, run_dir: Path) -> int:
+    """Copy a run directory's files into the store once (runs trained with the store off, or elsewhere)."""
+    from phalanx.config.loader import load_config
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise PhalanxError(f"{run_dir} is not a run directory (it has no config.yaml)")
+    config = load_config(str(run_dir / "config.yaml"), [])
+    run_id = store.start_run(run_dir.name, run_dir, json.loads(config.model_dump_json()), config.model.preset,
+                             None, config.train.max_steps, socket.gethostname())
+    RunFollower(run_dir, run_dir.name, time.time(), store, run_id).sync()
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    if "goodput" in summary:  # `phalanx train` adds the launch's goodput report to the summary
+        store.set_goodput(run_id, {k: summary.get(k) for k in ("restarts", "faults", "stragglers", "goodput", "ettr")})
+    store.finish_run(run_id, "finished" if summary and not summary.get("halted") else "stopped")
+    return run_id

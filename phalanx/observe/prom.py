@@ -1,0 +1,109 @@
+"""Prometheus metrics: what a training node and the dashboard expose at /metrics.
+
+Names follow Prometheus conventions: a `phalanx_` prefix, base units in the name (`_seconds`, `_ratio`),
+`_total` for counters. Both collectors read state that exists anyway (the node agent's follower, the run
+store) at scrape time, so nothing is computed when no one scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Gauges of a training run: (name, help, key in the follower's latest step record).
+TRAIN_GAUGES = (
+    ("phalanx_train_step", "Last completed optimizer step", "step"),
+    ("phalanx_train_loss", "Training loss at the last step", "loss"),
+    ("phalanx_train_val_loss", "Newest validation loss", "val_loss"),
+    ("phalanx_train_learning_rate", "Learning rate at the last step", "lr"),
+    ("phalanx_train_grad_norm", "Gradient norm at the last step (before clipping)", "grad_norm"),
+    ("phalanx_train_tokens_per_second", "Tokens per second of the whole job at the last step", "tokens_per_sec"),
+    ("phalanx_train_mfu_ratio", "Model FLOPs utilisation of one device (0-1) at the last step", "mfu"),
+    ("phalanx_train_peak_memory_bytes", "Peak memory of rank 0", "peak_mem_bytes"),
+    ("phalanx_train_ettr_ratio", "Effective training time ratio of this launch (productive / wall)", "ettr"),
+)
+# Counters from the event log: (name without _total, help, event kinds counted).
+EVENT_COUNTERS = (
+    ("phalanx_train_restarts", "Restarts of the ranks by the node agent", ("restart",)),
+    ("phalanx_train_worker_failures", "Ranks that died", ("worker_failed",)),
+    ("phalanx_train_hangs", "Hangs detected", ("hang_detected",)),
+    ("phalanx_train_stragglers", "Straggler alerts", ("straggler",)),
+    ("phalanx_train_rollbacks", "Numerics-guard rollbacks", ("rollback",)),
+    ("phalanx_train_failed_saves", "Checkpoint saves that failed", ("save_failed",)),
+)
+
+
+class TrainingCollector(Collector):
+    """The node agent's view of its run, from a function returning the follower's current state:
+    {"run": name, "last": newest step record, "ranks": {rank: newest timing record}, "counts": {kind: n}}."""
+
+    def __init__(self, state: Callable[[], dict[str, Any]]):
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        run, last = state["run"], state.get("last") or {}
+        for name, help_text, key in TRAIN_GAUGES:
+            gauge = GaugeMetricFamily(name, help_text, labels=["run"])
+            if last.get(key) is not None:
+                gauge.add_metric([run], float(last[key]))
+            yield gauge
+        counts = state.get("counts", {})
+        for name, help_text, kinds in EVENT_COUNTERS:
+            counter = CounterMetricFamily(name, help_text, labels=["run"])
+            counter.add_metric([run], float(sum(counts.get(k, 0) for k in kinds)))
+            yield counter
+        step_time = GaugeMetricFamily("phalanx_rank_step_seconds", "Wall time of each rank's last step",
+                                      labels=["run", "rank", "node"])
+        compute = GaugeMetricFamily("phalanx_rank_compute_seconds",
+                                    "Each rank's own work (data + forward) in its last step: stragglers show here",
+                                    labels=["run", "rank", "node"])
+        for rank, record in sorted(state.get("ranks", {}).items()):
+            labels = [run, str(rank), str(record.get("node") or "")]
+            if record.get("step_seconds") is not None:
+                step_time.add_metric(labels, float(record["step_seconds"]))
+            if record.get("compute_seconds") is not None:
+                compute.add_metric(labels, float(record["compute_seconds"]))
+        yield step_time
+        yield compute
+
+
+# Per-run gauges the dashboard exposes for every run in the store: (name, help, key in the runs row).
+RUN_GAUGES = (
+    ("phalanx_run_step", "Last completed optimizer step", "last_step"),
+    ("phalanx_run_loss", "Training loss at the last step", "last_loss"),
+    ("phalanx_run_val_loss", "Newest validation loss", "last_val_loss"),
+    ("phalanx_run_tokens_per_second", "Tokens per second at the last step", "tokens_per_sec"),
+    ("phalanx_run_mfu_ratio", "Model FLOPs utilisation of one device (0-1)", "mfu"),
+    ("phalanx_run_ettr_ratio", "Effective training time ratio (productive / wall)", "ettr"),
+    ("phalanx_run_last_update_timestamp_seconds", "When the run last reported (Unix time)", "updated_at"),
+)
+RUN_STATUSES = ("running", "restarting", "finished", "failed", "stopped")
+
+
+class StoreCollector(Collector):
+    """Every run in a run store, for the dashboard's /metrics."""
+
+    def __init__(self, store: Any):
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        runs = self._store.list_runs()
+        for name, help_text, key in RUN_GAUGES:
+            gauge = GaugeMetricFamily(name, help_text, labels=["run", "id"])
+            for run in runs:
+                if run.get(key) is not None:
+                    gauge.add_metric([run["name"], str(run["id"])], float(run[key]))
+            yield gauge
+        restarts = CounterMetricFamily("phalanx_run_restarts", "Restarts of the run's ranks", labels=["run", "id"])
+        status = GaugeMetricFamily("phalanx_run_status", "1 for the run's current status",
+                                   labels=["run", "id", "status"])
+        for run in runs:
+            restarts.add_metric([run["name"], str(run["id"])], float(run["restarts"] or 0))
+            for s in RUN_STATUSES:
+                status.add_metric([run["name"], str(run["id"]), s], 1.0 if run["status"] == s else 0.0)
+        yield restarts
+        yield status

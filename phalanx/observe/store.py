@@ -1,0 +1,331 @@
+"""The run store: runs, their step metrics, per-rank timings, events and goodput, in one SQL database.
+
+By default an SQLite file (WAL mode) in the runs root; any SQLAlchemy URL (PostgreSQL) lets several
+machines share one store. The schema is migrated to the newest version with Alembic when a store
+opens. Writers are node agents (one per node, off the training processes, see follower.py); readers
+are the dashboard and `phalanx runs`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+
+from phalanx.errors import PhalanxError
+from phalanx.observe import tables as t
+
+STORE_FILE = "phalanx.db"
+MIGRATIONS = Path(__file__).parent / "migrations"
+STEP_FIELDS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "achieved_tflops", "peak_mem_gib",
+               "step_seconds", "compute_seconds", "eval_seconds")
+FAILURE_KINDS = ("worker_failed", "hang_detected", "restart", "regroup")
+
+
+def store_url(spec: str | None, runs_root: Path) -> str:
+    """None: the default SQLite file in the runs root; a URL is taken as it is; anything else is a path."""
+    if spec is None:
+        return f"sqlite:///{(Path(runs_root) / STORE_FILE).resolve()}"
+    if "://" in spec:
+        return spec
+    return f"sqlite:///{Path(spec).resolve()}"
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    try:
+        return sa.engine.make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparseable store URL>"
+
+
+class RunStore:
+    def __init__(self, url: str, create: bool = True):
+        """Open (and migrate) the store at `url`. With create=False a missing SQLite file is an error."""
+        self.url = url
+        try:
+            parsed = sa.engine.make_url(url)
+        except Exception:
+            raise PhalanxError(f"not a database URL: {url!r} (e.g. postgresql+psycopg://user@host/db)") from None
+        if parsed.get_backend_name() == "sqlite":
+            path = Path(parsed.database or "")
+            if not create and not path.is_file():
+                raise PhalanxError(f"no run store at {path}; train a run first or pass --store")
+            path.parent.mkdir(parents=True, exist_ok=True)
+        elif parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
+            parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3, the driver we install
+        try:
+            self.engine = sa.create_engine(parsed, pool_pre_ping=True)
+        except (ImportError, SQLAlchemyError) as exc:
+            raise PhalanxError(f"cannot use store {redact(url)}: {exc}") from None
+        if self.engine.dialect.name == "sqlite":
+            sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+        try:
+            self._migrate()
+        except OperationalError as exc:
+            raise PhalanxError(f"cannot open run store {redact(url)}: {exc.orig}") from None
+
+    @classmethod
+    def open(cls, spec: str | None, runs_root: Path, create: bool = True) -> "RunStore":
+        return cls(store_url(spec, runs_root), create=create)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def _migrate(self) -> None:
+        from alembic import command
+        from alembic.config import Config
+
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS))
+        with self.engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+
+    def schema_version(self) -> str | None:
+        with self.engine.connect() as conn:
+            return conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+
+    # -- writing (node agents) ---------------------------------------------------------------------
+    def start_run(self, name: str, run_dir: Path, config: dict[str, Any], model: str, world_size: int | None,
+                  max_steps: int, node: str) -> int:
+        """Register a launch of the run in `run_dir` (a new run or a relaunch) as running; its id."""
+        now, run_dir = time.time(), str(Path(run_dir).resolve())
+        values = dict(name=name, status="running", model=model, world_size=world_size, config=json.dumps(config),
+                      max_steps=max_steps, updated_at=now, ended_at=None, error=None)
+        with self.engine.begin() as conn:
+            run_id = conn.execute(sa.select(t.runs.c.id).where(t.runs.c.dir == run_dir)).scalar()
+            if run_id is None:
+                try:
+                    run_id = conn.execute(t.runs.insert().values(dir=run_dir, started_at=now, restarts=0, **values)
+                                          ).inserted_primary_key[0]
+                except IntegrityError:  # another node registered it at the same moment
+                    run_id = None
+            else:
+                conn.execute(t.runs.update().where(t.runs.c.id == run_id).values(**values))
+        if run_id is None:
+            return self.start_run(name, Path(run_dir), config, model, world_size, max_steps, node)
+        self.add_node(run_id, node)
+        return run_id
+
+    def add_node(self, run_id: int, node: str) -> None:
+        try:
+            with self.engine.begin() as conn:
+                exists = conn.execute(sa.select(t.run_nodes.c.node).where(
+                    t.run_nodes.c.run_id == run_id, t.run_nodes.c.node == node)).first()
+                if not exists:
+                    conn.execute(t.run_nodes.insert().values(run_id=run_id, node=node, joined_at=time.time()))
+        except IntegrityError:
+            pass  # added by another writer in between: the row is there either way
+
+    def offsets(self, run_id: int) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(t.ingest_offsets.c.path, t.ingest_offsets.c.position)
+                                .where(t.ingest_offsets.c.run_id == run_id))
+            return {path: position for path, position in rows}
+
+    def ingest(self, run_id: int, metrics: list[dict], rank_records: list[dict], events: list[dict],
+               offsets: dict[str, int]) -> None:
+        """One transaction: new step metrics, per-rank timings and events, and how far each file was read."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            if metrics:
+                conn.execute(t.steps.insert(), [_step_row(run_id, m) for m in metrics])
+            if rank_records:
+                conn.execute(t.rank_steps.insert(), [
+                    {"run_id": run_id, "step": r["step"], "rank": r["rank"], "node": r.get("node"),
+                     "time": r.get("time", now), **{k: _num(r.get(k)) for k in
+                                                     ("step_seconds", "compute_seconds", "data_seconds")}}
+                    for r in rank_records])
+            if events:
+                conn.execute(t.events.insert(), [
+                    {"run_id": run_id, "time": e.get("time", now), "node": e.get("node"), "rank": e.get("rank"),
+                     "kind": e["kind"],
+                     "details": json.dumps({k: v for k, v in e.items() if k not in ("time", "node", "rank", "kind")})}
+                    for e in events])
+            for path, position in offsets.items():
+                updated = conn.execute(t.ingest_offsets.update().where(
+                    t.ingest_offsets.c.run_id == run_id, t.ingest_offsets.c.path == path).values(position=position))
+                if updated.rowcount == 0:
+                    conn.execute(t.ingest_offsets.insert().values(run_id=run_id, path=path, position=position))
+            summary = _run_summary(metrics, events)
+            if summary or metrics or events:
+                conn.execute(t.runs.update().where(t.runs.c.id == run_id).values(updated_at=now, **summary))
+            restarts = sum(e["kind"] == "restart" for e in events)
+            if restarts:
+                conn.execute(t.runs.update().where(t.runs.c.id == run_id)
+                             .values(restarts=t.runs.c.restarts + restarts))
+
+    def finish_run(self, run_id: int, status: str, error: str | None = None) -> None:
+        now = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(t.runs.update().where(t.runs.c.id == run_id)
+                         .values(status=status, error=error, ended_at=now, updated_at=now))
+
+    def set_goodput(self, run_id: int, report: dict[str, Any]) -> None:
+        now = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(t.goodput.delete().where(t.goodput.c.run_id == run_id))
+            conn.execute(t.goodput.insert().values(run_id=run_id, updated_at=now, report=json.dumps(report)))
+            conn.execute(t.runs.update().where(t.runs.c.id == run_id).values(ettr=report.get("ettr")))
+
+    def add_preflight(self, node: str, passed: bool, results: dict[str, Any], run_id: int | None = None) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(t.preflight.insert().values(run_id=run_id, node=node, time=time.time(), passed=int(passed),
+                                                     results=json.dumps(results)))
+
+    # -- reading (dashboard, `phalanx runs`) ---------------------------------------------------------
+    def list_runs(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(t.runs).order_by(t.runs.c.started_at.desc())).mappings().all()
+            return [_run_dict(row) for row in rows]
+
+    def run(self, run_id: int) -> dict[str, Any]:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(t.runs).where(t.runs.c.id == run_id)).mappings().first()
+            if row is None:
+                raise PhalanxError(f"no run with id {run_id} in the store")
+            run = _run_dict(row)
+            run["config"] = json.loads(row["config"]) if row["config"] else None
+            run["nodes"] = list(conn.execute(sa.select(t.run_nodes.c.node).where(t.run_nodes.c.run_id == run_id)
+                                             .order_by(t.run_nodes.c.joined_at)).scalars())
+            return run
+
+    def find_run(self, name_or_id: str) -> dict[str, Any]:
+        """A run by name (the newest of that name) or by numeric id."""
+        with self.engine.connect() as conn:
+            query = sa.select(t.runs.c.id).order_by(t.runs.c.started_at.desc())
+            run_id = conn.execute(query.where(t.runs.c.name == name_or_id)).scalar()
+            if run_id is None and name_or_id.isdigit():
+                run_id = conn.execute(query.where(t.runs.c.id == int(name_or_id))).scalar()
+            if run_id is None:
+                names = conn.execute(sa.select(t.runs.c.name).distinct()).scalars().all()
+                known = ", ".join(sorted(names)[:20]) or "none yet"
+                raise PhalanxError(f"no run named {name_or_id!r} in the store (runs: {known})")
+        return self.run(run_id)
+
+    def series(self, run_id: int, max_points: int = 1000) -> dict[str, list]:
+        """Training curves: every step, or past max_points an evenly spaced sample of steps (as TensorBoard
+        samples long runs), read through the (run_id, step) index so a long run answers as fast as a short one."""
+        c = t.steps.c
+        fields = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "peak_mem_gib", "step_seconds")
+        with self.engine.connect() as conn:
+            last = conn.execute(sa.select(sa.func.max(c.step)).where(c.run_id == run_id)).scalar() or 0
+            where = [c.run_id == run_id, c.loss.is_not(None)]
+            sample = _sample_steps(last, max_points, per_bin=1)
+            if sample is not None:
+                where.append(c.step.in_(sample))
+            # A step run twice (before and after a restart) is one point: the mean of its runs.
+            rows = conn.execute(sa.select(c.step, *(sa.func.avg(c[f]) for f in fields)).where(*where)
+                                .group_by(c.step).order_by(c.step)).all()
+            val = conn.execute(sa.select(c.step, sa.func.avg(c.val_loss))
+                               .where(c.run_id == run_id, c.val_loss.is_not(None))
+                               .group_by(c.step).order_by(c.step)).all()
+        out: dict[str, list] = {"step": [r[0] for r in rows]}
+        for i, f in enumerate(fields, start=1):
+            out[f] = [r[i] for r in rows]
+        out["val_step"], out["val_loss"] = [r[0] for r in val], [r[1] for r in val]
+        return out
+
+    def rank_heatmap(self, run_id: int, max_bins: int = 200, samples_per_bin: int = 5) -> dict[str, Any]:
+        """Each rank's own compute time per step, or past max_bins per bin of steps (the mean of a few
+        evenly spaced steps in it): the straggler heatmap, rows ranks, columns the bins' last steps."""
+        c = t.rank_steps.c
+        with self.engine.connect() as conn:
+            last = conn.execute(sa.select(sa.func.max(c.step)).where(c.run_id == run_id)).scalar() or 0
+            where = [c.run_id == run_id]
+            sample = _sample_steps(last, max_bins, per_bin=samples_per_bin)
+            if sample is not None:
+                where.append(c.step.in_(sample))
+            rows = conn.execute(sa.select(c.step, c.rank, c.compute_seconds).where(*where)).all()
+        stride = max(1, math.ceil(last / max_bins))
+        cells: dict[tuple[int, int], list[float]] = {}
+        for step, rank, value in rows:
+            if value is not None:
+                bin_end = min(last, ((step - 1) // stride + 1) * stride)
+                cells.setdefault((bin_end, rank), []).append(value)
+        steps = sorted({s for s, _ in cells})
+        ranks = sorted({r for _, r in cells})
+        z = [[statistics.fmean(cells[(s, r)]) if (s, r) in cells else None for s in steps] for r in ranks]
+        return {"steps": steps, "ranks": ranks, "compute_seconds": z, "stride": stride}
+
+    def events(self, run_id: int) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(t.events).where(t.events.c.run_id == run_id)
+                                .order_by(t.events.c.time, t.events.c.id)).mappings().all()
+        return [{"time": r["time"], "node": r["node"], "rank": r["rank"], "kind": r["kind"],
+                 **json.loads(r["details"] or "{}")} for r in rows]
+
+    def goodput(self, run_id: int) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            report = conn.execute(sa.select(t.goodput.c.report).where(t.goodput.c.run_id == run_id)).scalar()
+        return json.loads(report) if report else None
+
+    def preflights(self, run_id: int | None = None) -> list[dict[str, Any]]:
+        query = sa.select(t.preflight).order_by(t.preflight.c.time)
+        if run_id is not None:
+            query = query.where(t.preflight.c.run_id == run_id)
+        with self.engine.connect() as conn:
+            return [{**dict(r), "passed": bool(r["passed"]), "results": json.loads(r["results"])}
+                    for r in conn.execute(query).mappings()]
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    # WAL: readers (the dashboard) never block the writer; busy_timeout: a second writer waits, not fails.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def _sample_steps(last: int, bins: int, per_bin: int) -> list[int] | None:
+    """Up to `per_bin` evenly spaced steps from each of `bins` equal bins of 1..last (None: use all steps)."""
+    if last <= bins * per_bin:
+        return None
+    stride = math.ceil(last / bins)
+    gap = max(1, stride // per_bin)
+    return sorted({min(last, start + offset) for start in range(0, last, stride)
+                   for offset in range(gap, stride + 1, gap)[:per_bin]})
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _step_row(run_id: int, m: dict[str, Any]) -> dict[str, Any]:
+    return {"run_id": run_id, "step": m["step"], "time": m.get("time", time.time()),
+            "skipped": m.get("skipped"), **{f: _num(m.get(f)) for f in STEP_FIELDS}}
+
+
+def _run_summary(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
+    """What a batch changes in the runs row: the newest step's figures and running vs restarting."""
+    out: dict[str, Any] = {}
+    trained = [m for m in metrics if "loss" in m]
+    if trained:
+        last = trained[-1]
+        out.update(last_step=last["step"], last_loss=_num(last["loss"]),
+                   tokens_per_sec=_num(last.get("tokens_per_sec")), mfu=_num(last.get("mfu")))
+    validated = [m for m in metrics if m.get("val_loss") is not None]
+    if validated:
+        out["last_val_loss"] = _num(validated[-1]["val_loss"])
+    last_failure = max((e["time"] for e in events if e["kind"] in FAILURE_KINDS), default=None)
+    last_progress = max([e["time"] for e in events if e["kind"] == "training_started"]
+                        + [m.get("time", 0) for m in trained], default=None)
+    if last_failure is not None and (last_progress is None or last_failure > last_progress):
+        out["status"] = "restarting"
+    elif last_progress is not None:
+        out["status"] = "running"
+    return out
+
+
+def _run_dict(row: Any) -> dict[str, Any]:
+    return {k: row[k] for k in ("id", "name", "dir", "status", "model", "world_size", "started_at", "ended_at",
+                                "updated_at", "last_step", "max_steps", "last_loss", "last_val_loss",
+                                "tokens_per_sec", "mfu", "restarts", "ettr", "error")}

@@ -1,0 +1,121 @@
+"""The run store's tables at the newest schema version (SQLAlchemy Core).
+
+The migrations in migrations/versions build this schema step by step; a test checks that a migrated
+database matches these definitions. Free-form details (a config, an event's fields, a goodput report)
+are JSON text so SQLite and PostgreSQL store them the same way.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text
+
+metadata = MetaData()
+
+# One training run (one run directory), across all its launches and restarts.
+runs = Table(
+    "runs", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", String(200), nullable=False, index=True),
+    Column("dir", String(1000), nullable=False, unique=True),
+    Column("status", String(20), nullable=False),  # running | restarting | finished | failed | stopped
+    Column("model", String(200)),
+    Column("world_size", Integer),
+    Column("config", Text),  # the resolved config, JSON
+    Column("started_at", Float, nullable=False),
+    Column("ended_at", Float),
+    Column("updated_at", Float, nullable=False),
+    Column("last_step", Integer),
+    Column("max_steps", Integer),
+    Column("last_loss", Float),
+    Column("last_val_loss", Float),
+    Column("tokens_per_sec", Float),
+    Column("mfu", Float),
+    Column("restarts", Integer, nullable=False),
+    Column("ettr", Float),
+    Column("error", Text),
+)
+
+# The hosts whose node agents joined a run (several agents may add themselves at the same moment).
+run_nodes = Table(
+    "run_nodes", metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("node", String(200), primary_key=True),
+    Column("joined_at", Float, nullable=False),
+)
+
+# Rank 0's record of each optimizer step (and of evaluations): the run's curves.
+steps = Table(
+    "steps", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("time", Float, nullable=False),
+    Column("loss", Float),
+    Column("val_loss", Float),
+    Column("lr", Float),
+    Column("grad_norm", Float),
+    Column("tokens_per_sec", Float),
+    Column("mfu", Float),
+    Column("achieved_tflops", Float),
+    Column("peak_mem_gib", Float),
+    Column("step_seconds", Float),
+    Column("compute_seconds", Float),
+    Column("eval_seconds", Float),
+    Column("skipped", String(40)),
+    Index("ix_steps_run_step", "run_id", "step"),
+)
+
+# Every rank's own timing of every step: the rank-by-step heatmap that shows stragglers.
+rank_steps = Table(
+    "rank_steps", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("node", String(200)),
+    Column("time", Float, nullable=False),
+    Column("step_seconds", Float),
+    Column("compute_seconds", Float),
+    Column("data_seconds", Float),
+    Index("ix_rank_steps_run_step", "run_id", "step"),
+)
+
+events = Table(
+    "events", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("time", Float, nullable=False),
+    Column("node", String(200)),
+    Column("rank", Integer),
+    Column("kind", String(60), nullable=False),
+    Column("details", Text),  # JSON: the event's other fields
+    Index("ix_events_run_time", "run_id", "time"),
+)
+
+# The newest goodput report of a run (restarts, faults, stragglers, buckets, ETTR), JSON.
+goodput = Table(
+    "goodput", metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("updated_at", Float, nullable=False),
+    Column("report", Text, nullable=False),
+)
+
+# Preflight results of nodes (issue 6 fills it); run_id is null for a preflight outside a run.
+preflight = Table(
+    "preflight", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE")),
+    Column("node", String(200), nullable=False),
+    Column("time", Float, nullable=False),
+    Column("passed", Integer, nullable=False),
+    Column("results", Text, nullable=False),
+)
+
+# How far the node agent has read each plain-file mirror into the store, so a later launch of the same
+# run continues where the previous one stopped: every line lands exactly once.
+ingest_offsets = Table(
+    "ingest_offsets", metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("path", String(300), primary_key=True),
+    Column("position", Integer, nullable=False),
+)
