@@ -1,0 +1,48 @@
+"""The command-line front of phalanx dashboard and phalanx runs (issue 4): register() adds its commands to the main typer app."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    from phalanx.observe.runs_cli import runs_app
+
+    app.add_typer(runs_app, name="runs")
+    _register_dashboard(app)
+
+
+# -- phalanx dashboard ---------------------------------------------------------------------------------
+def _register_dashboard(app: typer.Typer) -> None:
+    # Annotations name only builtins: this module's globals are shared with the `runs` commands.
+    @app.command()
+    def dashboard(
+        runs: str | None = typer.Option(None, "--runs", help="Runs root whose store file phalanx.db to show "
+                                            "(default ./runs)."),
+        store: str | None = typer.Option(None, "--store", help="A store URL (postgresql://...) or file, "
+                                            "instead of --runs."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; beyond loopback needs --token."),
+        port: int = typer.Option(8765, "--port", min=0, max=65535),
+        token: str | None = typer.Option(None, "--token", envvar="PHALANX_DASHBOARD_TOKEN",
+                                            help="Require this token (Bearer header or /login) from every client."),
+    ) -> None:
+        """Serve the web dashboard: runs, live curves, rank heatmap, events, goodput, /metrics."""
+        from pathlib import Path
+
+        from phalanx.errors import PhalanxError
+        from phalanx.observe.app import bind, create_app, serve
+        from phalanx.observe.auth import check_exposure
+        from phalanx.observe.store import RunStore, redact
+
+        if runs is not None and store is not None:
+            raise PhalanxError("give --runs DIR or --store URL, not both")
+        check_exposure(host, token)
+        run_store = RunStore.open(store, Path(runs or "runs"), create=False)
+        sock = bind(host, port)
+        shown = f"[{host}]" if ":" in host else host
+        print(f"phalanx dashboard at http://{shown}:{sock.getsockname()[1]}/ (store {redact(run_store.url)}"
+              f"{', token required' if token else ''}); Ctrl-C stops it", flush=True)
+        try:
+            serve(create_app(run_store, token), sock)
+        finally:
+            run_store.close()

@@ -1,0 +1,143 @@
+"""`phalanx runs list | show | compare | import`: the run store from the terminal."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+runs_app = typer.Typer(no_args_is_help=True, help="List, inspect and compare runs in the run store.")
+out = Console()
+
+RunsOpt = typer.Option(Path("runs"), "--runs", help="Runs root whose store file phalanx.db to read.")
+StoreOpt = typer.Option(None, "--store", help="A store URL (postgresql://...) or file, instead of --runs.")
+JsonOpt = typer.Option(False, "--json", help="Print JSON for machines.")
+
+
+def _open(runs: Path, store: str | None):
+    from phalanx.observe.store import RunStore
+
+    return RunStore.open(store, runs, create=False)
+
+
+@runs_app.command("list")
+def runs_list(runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
+    """Every run in the store, newest first."""
+    rows = _open(runs, store).list_runs()
+    if json_out:
+        print(json.dumps(rows))
+        return
+    table = Table(title=f"{len(rows)} runs")
+    for column in ("id", "name", "status", "model", "step", "loss", "val loss", "tok/s", "MFU", "ETTR", "restarts",
+                   "updated"):
+        table.add_column(column, justify="right" if column not in ("name", "status", "model") else "left")
+    for r in rows:
+        table.add_row(str(r["id"]), r["name"], r["status"], r["model"] or "-",
+                      f"{r['last_step'] or 0}/{r['max_steps'] or '?'}", _num(r["last_loss"]), _num(r["last_val_loss"]),
+                      _num(r["tokens_per_sec"], ",.0f"), _pct(r["mfu"]), _pct(r["ettr"]), str(r["restarts"]),
+                      _when(r["updated_at"]))
+    out.print(table)
+
+
+@runs_app.command("show")
+def runs_show(name: str = typer.Argument(..., help="Run name (the newest of that name) or id."),
+              runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
+    """One run: its state, goodput, nodes and events."""
+    s = _open(runs, store)
+    run = s.find_run(name)
+    events, goodput = s.events(run["id"]), s.goodput(run["id"])
+    if json_out:
+        print(json.dumps({**run, "goodput": goodput, "events": events}))
+        return
+    table = Table(title=f"run {run['name']} (id {run['id']})", show_header=False)
+    for key in ("status", "dir", "model", "world_size", "nodes", "last_step", "max_steps", "last_loss", "last_val_loss",
+                "tokens_per_sec", "mfu", "restarts", "ettr", "error"):
+        value = run[key]
+        table.add_row(key, ", ".join(value) if isinstance(value, list) else _num(value) if isinstance(value, float)
+                      else "-" if value is None else str(value))
+    table.add_row("started", _when(run["started_at"]))
+    table.add_row("ended", _when(run["ended_at"]))
+    if goodput:
+        table.add_row("goodput (s)", ", ".join(f"{k} {v:.1f}" for k, v in goodput["goodput"].items() if v))
+        table.add_row("faults", ", ".join(f"{k} {v}" for k, v in goodput["faults"].items()) or "-")
+    out.print(table)
+    notable = [e for e in events if e["kind"] not in ("checkpoint_saved", "attempt_started", "training_started")]
+    if notable:
+        timeline = Table(title="events")
+        for column in ("time", "kind", "rank", "details"):
+            timeline.add_column(column)
+        for e in notable[-30:]:
+            details = {k: v for k, v in e.items() if k not in ("time", "node", "rank", "kind")}
+            timeline.add_row(_when(e["time"]), e["kind"], "-" if e["rank"] is None else str(e["rank"]),
+                             json.dumps(details)[:100])
+        out.print(timeline)
+
+
+@runs_app.command("compare")
+def runs_compare(names: list[str] = typer.Argument(..., help="Two or more run names or ids."),
+                 runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
+    """Runs side by side: their results and the config keys in which they differ."""
+    from phalanx.errors import PhalanxError
+
+    if len(names) < 2:
+        raise PhalanxError("compare needs two or more runs")
+    s = _open(runs, store)
+    found = [s.find_run(n) for n in names]
+    flat = [_flatten(r["config"] or {}) for r in found]
+    differs = sorted(k for k in set().union(*flat) if len({json.dumps(f.get(k)) for f in flat}) > 1
+                     and not k.startswith("run."))
+    if json_out:
+        print(json.dumps({"runs": found, "config_differences": {k: [f.get(k) for f in flat] for k in differs}}))
+        return
+    table = Table(title="compare")
+    table.add_column("")
+    for r in found:
+        table.add_column(f"{r['name']} ({r['id']})")
+    for key in ("status", "model", "last_step", "last_loss", "last_val_loss", "tokens_per_sec", "mfu", "ettr",
+                "restarts"):
+        table.add_row(key, *(_num(r[key]) if isinstance(r[key], float) else str(r[key]) for r in found))
+    for key in differs:
+        table.add_row(f"[bold]{key}", *(json.dumps(f.get(key)) for f in flat))
+    out.print(table)
+
+
+@runs_app.command("import")
+def runs_import(run_dirs: list[Path] = typer.Argument(..., help="Run directories to copy into the store."),
+                runs: Path = RunsOpt, store: Optional[str] = StoreOpt) -> None:
+    """Copy run directories trained without a store (or elsewhere) into the store."""
+    from phalanx.observe.observer import sync_run_dir
+    from phalanx.observe.store import RunStore
+
+    s = RunStore.open(store, runs)
+    for run_dir in run_dirs:
+        run_id = sync_run_dir(s, run_dir)
+        out.print(f"imported {run_dir} as run {run_id}")
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _num(value: float | None, fmt: str = ".4g") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _when(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
