@@ -180,6 +180,21 @@ class RunStore:
             conn.execute(t.preflight.insert().values(run_id=run_id, node=node, time=time.time(), passed=int(passed),
                                                      results=json.dumps(results)))
 
+    def quarantine_node(self, node: str, reason: str, run: str | None = None) -> None:
+        """Keep `node` out of later launches on this store (a newer reason replaces an older one)."""
+        with self.engine.begin() as conn:
+            conn.execute(t.quarantine.delete().where(t.quarantine.c.node == node))
+            conn.execute(t.quarantine.insert().values(node=node, reason=reason, since=time.time(), run=run))
+
+    def clear_quarantine(self, node: str) -> bool:
+        """Let `node` join launches again; False if it was not quarantined."""
+        with self.engine.begin() as conn:
+            return conn.execute(t.quarantine.delete().where(t.quarantine.c.node == node)).rowcount > 0
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(sa.select(t.quarantine).order_by(t.quarantine.c.since)).mappings()]
+
     # -- reading (dashboard, `phalanx runs`) ---------------------------------------------------------
     def list_runs(self) -> list[dict[str, Any]]:
         with self.engine.connect() as conn:

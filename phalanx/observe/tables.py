@@ -119,3 +119,12 @@ ingest_offsets = Table(
     Column("path", String(300), primary_key=True),
     Column("position", Integer, nullable=False),
 )
+
+# Nodes that failed a preflight check; launches on this store refuse them until `phalanx preflight --clear`.
+quarantine = Table(
+    "quarantine", metadata,
+    Column("node", String(200), primary_key=True),
+    Column("reason", Text, nullable=False),
+    Column("since", Float, nullable=False),
+    Column("run", String(200)),
+)

@@ -19,7 +19,7 @@ def test_migrated_schema_matches_the_table_definitions(store_url):
     from alembic.migration import MigrationContext
 
     store = RunStore(store_url)
-    assert store.schema_version() == "0001"
+    assert store.schema_version() == "0002"
     with store.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), tables.metadata)
     assert diff == []
@@ -103,6 +103,16 @@ def test_the_follower_copies_each_line_exactly_once_across_launches(store_url, t
     assert store.series(run_id)["step"] == [1, 2]
     assert [e["kind"] for e in store.events(run_id)] == ["training_started", "checkpoint_saved"]
     assert store.rank_heatmap(run_id)["ranks"] == [0]
+
+
+def test_quarantine_keeps_a_node_until_cleared(store_url):
+    store = RunStore(store_url)
+    store.quarantine_node("gpu-07", "matmul bf16 310 TFLOP/s below the 600 floor", run="big")
+    store.quarantine_node("gpu-07", "memory bandwidth 1.2 TB/s below the 3.0 floor")  # newest reason wins
+    assert [(q["node"], q["reason"][:6]) for q in store.quarantined()] == [("gpu-07", "memory")]
+    assert store.clear_quarantine("gpu-07") is True
+    assert store.clear_quarantine("gpu-07") is False
+    assert store.quarantined() == []
 
 
 def test_bad_store_urls_and_names_are_one_line_errors(tmp_path):
