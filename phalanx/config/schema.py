@@ -146,6 +146,13 @@ class ObserveSection(Section):
     metrics_host: str = "127.0.0.1"
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard")
     sync_interval_s: float = Field(1.0, gt=0, description="how often the agent copies new records to the store")
+    # Hardware telemetry from the node agent (RUN_DIR/telemetry.jsonl and /metrics); 0 turns it off.
+    telemetry_interval_s: float = Field(5.0, ge=0)
+    # Crossing one of these is a telemetry_alert event.
+    alert_host_memory_ratio: float = Field(0.95, gt=0, le=1)
+    alert_disk_free_gib: float = Field(5.0, ge=0)
+    alert_device_temp_c: float = Field(90.0, gt=0)
+    alert_device_memory_ratio: float = Field(0.98, gt=0, le=1)
 
 
 class Config(Section):

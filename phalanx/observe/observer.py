@@ -1,5 +1,6 @@
 """What `phalanx train` does to make a run observable: register it in the run store, follow its files
-into the store while it trains, serve the node's /metrics, and record how the launch ended."""
+into the store while it trains, sample the node's hardware, serve the node's /metrics, and record how
+the launch ended."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from phalanx.config.schema import Config
 from phalanx.errors import PhalanxError, StoppedBySignal
 from phalanx.observe.follower import RunFollower
 from phalanx.observe.store import RunStore
+from phalanx.safe.events import JsonlEventSink
+from phalanx.safe.telemetry import TelemetrySampler
 
 
 def open_store(config: Config) -> RunStore | None:
@@ -32,13 +35,15 @@ def observe_run(config: Config, node_rank: int, world_size: int, model: str, sta
     if store is not None:
         run_id = store.start_run(config.run.name, config.run_dir, json.loads(config.model_dump_json()), model,
                                  world_size, config.train.max_steps, socket.gethostname())
-    follower = None
-    if node_rank == 0:
-        follower = RunFollower(config.run_dir, config.run.name, started, store, run_id,
-                               config.observe.sync_interval_s, config.observe.tensorboard).start()
-    server = _start_metrics_server(config, follower) if follower is not None else None
+    follower = telemetry = server = None
     status, error = "finished", None
     try:
+        if node_rank == 0:
+            follower = RunFollower(config.run_dir, config.run.name, started, store, run_id,
+                                   config.observe.sync_interval_s, config.observe.tensorboard).start()
+        if config.observe.telemetry_interval_s > 0:
+            telemetry = TelemetrySampler(config.run_dir, config.observe, JsonlEventSink(config.run_dir)).start()
+        server = _start_metrics_server(config, follower, telemetry)
         yield
     except StoppedBySignal:
         status = "stopped"
@@ -49,6 +54,8 @@ def observe_run(config: Config, node_rank: int, world_size: int, model: str, sta
     finally:
         if server is not None:
             server.shutdown()
+        if telemetry is not None:
+            telemetry.stop()
         if follower is not None:
             follower.stop()
         if store is not None and node_rank == 0:
@@ -65,16 +72,20 @@ def _final_status(config: Config, status: str) -> str:
     return status
 
 
-def _start_metrics_server(config: Config, follower: RunFollower) -> Any:
+def _start_metrics_server(config: Config, follower: RunFollower | None, telemetry: TelemetrySampler | None) -> Any:
+    """The node's /metrics: the run's progress (node 0, which follows the run) and this node's hardware."""
     port = config.observe.metrics_port
     if port is None:
         return None
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from phalanx.observe.prom import TrainingCollector
+    from phalanx.observe.prom import TelemetryCollector, TrainingCollector
 
     registry = CollectorRegistry()
-    registry.register(TrainingCollector(follower.state))
+    if follower is not None:
+        registry.register(TrainingCollector(follower.state))
+    if telemetry is not None:
+        registry.register(TelemetryCollector(lambda: telemetry.latest))
     try:
         server, _thread = start_http_server(port, addr=config.observe.metrics_host, registry=registry)
     except OSError as exc:

@@ -107,3 +107,42 @@ class StoreCollector(Collector):
                 status.add_metric([run["name"], str(run["id"]), s], 1.0 if run["status"] == s else 0.0)
         yield restarts
         yield status
+
+
+# Host and device readings of the node agent's telemetry sampler: (name, help, key).
+HOST_GAUGES = (
+    ("phalanx_host_cpu_ratio", "Host CPU utilisation (0-1)", "cpu_ratio"),
+    ("phalanx_host_memory_used_bytes", "Host memory in use", "memory_used_bytes"),
+    ("phalanx_host_memory_total_bytes", "Host memory", "memory_total_bytes"),
+    ("phalanx_host_disk_free_bytes", "Free disk at the run directory", "disk_free_bytes"),
+)
+DEVICE_GAUGES = (
+    ("phalanx_device_utilization_ratio", "Accelerator busy time (0-1)", "utilization_ratio"),
+    ("phalanx_device_memory_used_bytes", "Accelerator memory in use", "memory_used_bytes"),
+    ("phalanx_device_memory_total_bytes", "Accelerator memory", "memory_total_bytes"),
+    ("phalanx_device_temperature_celsius", "Accelerator temperature", "temperature_c"),
+    ("phalanx_device_power_watts", "Accelerator power draw", "power_w"),
+    ("phalanx_device_ecc_uncorrected_errors", "Uncorrected ECC errors the driver reports", "ecc_uncorrected"),
+)
+
+
+class TelemetryCollector(Collector):
+    """The newest telemetry sample of this node: {"node", "host": {...}, "devices": [{...}]}."""
+
+    def __init__(self, latest: Callable[[], dict[str, Any]]):
+        self._latest = latest
+
+    def collect(self) -> Iterator[Metric]:
+        sample = self._latest() or {}
+        node, host = sample.get("node", ""), sample.get("host", {})
+        for name, help_text, key in HOST_GAUGES:
+            gauge = GaugeMetricFamily(name, help_text, labels=["node"])
+            if host.get(key) is not None:
+                gauge.add_metric([node], float(host[key]))
+            yield gauge
+        for name, help_text, key in DEVICE_GAUGES:
+            gauge = GaugeMetricFamily(name, help_text, labels=["node", "device"])
+            for device in sample.get("devices", []):
+                if device.get(key) is not None:
+                    gauge.add_metric([node, str(device["device"])], float(device[key]))
+            yield gauge

@@ -1,5 +1,5 @@
 """A real training run (2 gloo ranks, one killed and restarted) observed end to end: the store it fills,
-the node agent's /metrics while it trains, TensorBoard files and `phalanx runs`."""
+the node agent's /metrics and hardware telemetry while it trains, TensorBoard files and `phalanx runs`."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def observed(corpus, runs_root):
     root = runs_root / "observed"
     args = TINY + [f"data.sources=[{corpus}]", f"run.dir={root}", "run.name=watched",
                    "safe.inject=[{fault: kill, rank: 1, step: 6}]", "observe.metrics_port=0",
-                   "observe.tensorboard=true", "observe.sync_interval_s=0.2"]
+                   "observe.tensorboard=true", "observe.sync_interval_s=0.2", "observe.telemetry_interval_s=0.5",
+                   "observe.alert_disk_free_gib=1000000"]  # more free disk than any machine has: an alert
     proc = subprocess.Popen([sys.executable, "-m", "phalanx", "train", *args, "--nproc", "2", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -87,6 +88,19 @@ def test_the_node_agent_serves_prometheus_metrics_while_training(observed):
     assert families["phalanx_train_worker_failures"].samples[0].value == 1
     ranks = {s.labels["rank"] for s in families["phalanx_rank_compute_seconds"].samples}
     assert ranks == {"0", "1"}
+
+
+def test_the_agent_samples_the_host_and_alerts_once_on_a_crossed_threshold(observed):
+    samples = [json.loads(line) for line in (observed["run_dir"] / "telemetry.jsonl").read_text().splitlines()]
+    assert len(samples) >= 2
+    assert all(s["host"]["memory_total_bytes"] > s["host"]["memory_used_bytes"] > 0 for s in samples)
+    assert samples[0]["devices"] == []  # no GPU and no vendor library here
+    families = observed["metrics"]
+    assert families["phalanx_host_memory_total_bytes"].samples[0].value == samples[0]["host"]["memory_total_bytes"]
+    assert families["phalanx_host_disk_free_bytes"].samples[0].value > 0
+    store = RunStore.open(None, observed["root"], create=False)
+    alerts = [e for e in store.events(store.find_run("watched")["id"]) if e["kind"] == "telemetry_alert"]
+    assert [(a["metric"], a["threshold"]) for a in alerts] == [("disk_free_gib", 1000000)]
 
 
 def test_tensorboard_event_files_hold_the_curves(observed):
