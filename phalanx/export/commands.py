@@ -1,0 +1,33 @@
+"""The command-line front of phalanx export (issue 5): register() adds its commands to the main typer app."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def export(
+        run_dir: Path = typer.Argument(..., help="A run directory (its newest checkpoint), a checkpoint directory, "
+                                                 "or an HF export."),
+        fmt: str = typer.Option(..., "--format", help="hf (transformers) or gguf (llama.cpp, Ollama)."),
+        out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
+        dtype: str = typer.Option("f32", "--dtype", help="Weight type: f32, f16 or bf16 (GGUF norms stay f32)."),
+        force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON object for machines."),
+    ) -> None:
+        """Export a trained model for Hugging Face transformers or for llama.cpp / Ollama."""
+        from phalanx.cli import _print_table
+        from phalanx.export.export import export_run
+
+        files = export_run(run_dir, fmt, out, dtype, force)
+        report = {"format": fmt, "dtype": dtype, "out": str(Path(out).absolute()),
+                  "files": {f.name: f.stat().st_size for f in files}}
+        if json_out:
+            print(json.dumps(report))
+        else:
+            _print_table(f"exported ({fmt}, {dtype})",
+                         {"out": report["out"], **{n: f"{s:,} bytes" for n, s in report["files"].items()}})

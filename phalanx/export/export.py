@@ -1,0 +1,49 @@
+"""`phalanx export`: load a run (or a checkpoint, or an HF export) and write it as HF or GGUF, atomically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from phalanx.errors import PhalanxError
+from phalanx.export.out_dir import atomic_out_dir, check_out_dir
+
+FORMATS = ("hf", "gguf")
+DTYPES = ("f32", "f16", "bf16")
+
+
+def export_name(source: Path, checkpoint: Path) -> str:
+    """The model's name: its run's directory name (a checkpoint lives in RUN_DIR/checkpoints/step_N)."""
+    if checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent.name
+    return Path(source).absolute().name
+
+
+def export_run(source: Path, fmt: str, out: Path, dtype: str = "f32", force: bool = False) -> list[Path]:
+    """Write `source` in `fmt` to the directory `out`; returns the files in it."""
+    if fmt not in FORMATS:
+        raise PhalanxError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise PhalanxError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    source, out = Path(source), Path(out).absolute()
+    if not source.is_dir():
+        raise PhalanxError(f"run directory not found: {source}")
+    if out == source.absolute() or source.absolute() in out.parents:
+        raise PhalanxError(f"--out {out} is inside {source}; write the export elsewhere")
+    check_out_dir(out, force)  # before the (slow) load
+
+    from phalanx.export.hf import is_hf_export, load_hf_export
+    from phalanx.serve.generate import load_run
+
+    loaded = load_hf_export(source) if is_hf_export(source) else load_run(source)
+    with atomic_out_dir(out, force) as tmp:
+        if fmt == "hf":
+            from phalanx.export.hf import write_hf_export
+
+            write_hf_export(loaded, tmp, dtype)
+        else:
+            from phalanx.export.gguf_export import GGUF_FILE, write_gguf
+            from phalanx.export.modelfile import modelfile
+
+            write_gguf(loaded, tmp / GGUF_FILE, export_name(source, loaded.checkpoint), dtype)
+            (tmp / "Modelfile").write_text(modelfile(GGUF_FILE))
+    return sorted(out.iterdir())

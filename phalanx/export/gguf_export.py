@@ -1,0 +1,181 @@
+"""GGUF export for llama.cpp and Ollama, written with the `gguf` package's GGUFWriter (architecture `llama`).
+
+(Named gguf_export, not gguf, so it never shadows the `gguf` package.)
+
+Two things differ from the HF export:
+- Q and K projections are permuted. phalanx (like HF) applies RoPE in the rotate_half layout: within
+  a head, dimension i is rotated together with dimension i + E/2. llama.cpp's llama architecture uses
+  the original interleaved layout: dimensions 2i and 2i+1 rotate together. Moving row i of each head to
+  row 2i, and row i + E/2 to row 2i + 1, makes llama.cpp rotate the same pairs by the same angles (the
+  attention scores are unchanged, since q and k are permuted alike).
+- Norm weights stay float32 whatever --dtype says: llama.cpp computes norms in f32 and they are tiny.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from phalanx.data.tokenizer import special_ids
+from phalanx.errors import PhalanxError
+from phalanx.export.tokenizer_files import ensure_special_tokens
+from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.serve.chat_template import CHAT_TEMPLATE
+from phalanx.serve.generate import LoadedModel
+
+GGUF_FILE = "model.gguf"
+
+# phalanx's tokenizer splits text with ByteLevel(use_regex=True), i.e. the GPT-2 regex
+#   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+# llama.cpp maps the pre-tokenizer name "gpt-2" to exactly that regex (LLAMA_VOCAB_PRE_TYPE_GPT2,
+# implemented by unicode_regex_split_custom_gpt2). "llama-bpe" (Llama 3's) would split digits in threes
+# and attach a non-letter to the following word, and "default" splits punctuation differently, so
+# either would hand our merges different pieces and give other ids.
+PRE_TOKENIZER = "gpt-2"
+# Ollama's own Go engine ignores that name: for the llama architecture it reads the split regex itself
+# from tokenizer.ggml.pretokenizer and falls back to Llama 3's. So the regex is written out as well.
+PRE_TOKENIZER_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+# phalanx name (per layer: after "layers.N.") -> llama.cpp name (per layer: after "blk.N.")
+_LAYER_NAMES = {
+    "attention.wq.weight": "attn_q.weight",
+    "attention.wk.weight": "attn_k.weight",
+    "attention.wv.weight": "attn_v.weight",
+    "attention.wo.weight": "attn_output.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight",
+    "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+    "attention_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+}
+_TOP_NAMES = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+              "output.weight": "output.weight"}
+
+
+def gguf_name(name: str) -> str:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    _, index, rest = name.split(".", 2)
+    return f"blk.{index}.{_LAYER_NAMES[rest]}"
+
+
+def interleave_rotary_rows(w_OD: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the output rows of a Q or K projection from rotate_half pairs (i, i + E/2) to interleaved
+    pairs (2i, 2i + 1), head by head. O = n_heads * E rows."""
+    O, D = w_OD.shape
+    E = O // n_heads
+    # (heads, half, E/2, D): half 0 holds the first members of the pairs, half 1 their partners; swapping
+    # the two middle axes puts each pair on adjacent rows.
+    return w_OD.reshape(n_heads, 2, E // 2, D).transpose(1, 2).reshape(O, D)
+
+
+def gguf_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under llama.cpp names, float32, Q/K permuted; output left out when tied
+    (llama.cpp then uses token_embd for the output). One at a time, so a caller converting them to f16
+    never holds a second full copy of the model."""
+    args = model.args
+    for name, tensor in model.state_dict().items():
+        if name == "output.weight" and args.tie_embeddings:
+            continue
+        tensor = tensor.detach().to("cpu", torch.float32)
+        if name.endswith("attention.wq.weight"):
+            tensor = interleave_rotary_rows(tensor, args.n_heads)
+        elif name.endswith("attention.wk.weight"):
+            tensor = interleave_rotary_rows(tensor, args.n_kv_heads)
+        yield gguf_name(name), tensor.contiguous()
+
+
+def _vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens by id, their GGUF token types, merges as "a b") for a byte-level BPE tokenizer."""
+    import gguf
+
+    spec = json.loads(tokenizer.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    gpt2_split = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+    # llama.cpp would silently tokenise such a tokenizer differently: refuse rather than export a model
+    # that reads other ids than it was trained on.
+    if spec["model"]["type"] != "BPE" or not gpt2_split or spec.get("normalizer"):
+        raise PhalanxError("GGUF export supports byte-level BPE tokenizers with the GPT-2 split and no normalizer "
+                           f"(as phalanx trains them), not model {spec['model']['type']} with pre-tokenizer "
+                           f"{pre.get('type')} and normalizer {(spec.get('normalizer') or {}).get('type')}")
+    id_to_token = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
+    if max(id_to_token) >= vocab_size:
+        raise PhalanxError(f"the tokenizer has ids up to {max(id_to_token)}, beyond the model's vocab_size "
+                           f"{vocab_size}")
+    added = tokenizer.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in id_to_token:  # an embedding row the tokenizer never produces
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(id_to_token[i])
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(id_to_token[i])
+            types.append(gguf.TokenType.NORMAL)
+    # tokenizers writes merges as "a b" strings (< 0.20) or as [a, b] pairs (>= 0.20)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    return tokens, [int(t) for t in types], merges
+
+
+def _numpy_in(tensor: torch.Tensor, dtype: str) -> tuple[np.ndarray, object]:
+    """(array, raw_dtype for GGUFWriter.add_tensor) of a float32 tensor stored as `dtype`."""
+    import gguf
+
+    if dtype == "f32" or tensor.ndim == 1:  # norms stay f32
+        return tensor.numpy(), None
+    if dtype == "f16":
+        return tensor.to(torch.float16).numpy(), None
+    # numpy has no bfloat16: hand the writer the raw 16-bit patterns and say what they are.
+    return tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
+
+
+def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -> None:
+    import gguf
+
+    args: ModelArgs = loaded.model.args
+    tokenizer = ensure_special_tokens(loaded.tokenizer)
+    bos_id, eos_id = special_ids(tokenizer)
+    tokens, token_types, merges = _vocabulary(tokenizer, args.vocab_size)
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")  # also writes general.architecture
+    writer.add_name(name)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype])
+    writer.add_context_length(args.max_seq_len)
+    writer.add_embedding_length(args.dim)
+    writer.add_block_count(args.n_layers)
+    writer.add_feed_forward_length(args.ffn_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.n_kv_heads)
+    writer.add_rope_dimension_count(args.head_dim)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_layer_norm_rms_eps(args.norm_eps)
+    writer.add_vocab_size(args.vocab_size)
+
+    writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
+    writer.add_tokenizer_pre(PRE_TOKENIZER)
+    writer.add_string("tokenizer.ggml.pretokenizer", PRE_TOKENIZER_REGEX)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(bos_id)
+    writer.add_eos_token_id(eos_id)
+    writer.add_add_bos_token(True)  # every training document started with BOS
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    for tensor_name, tensor in gguf_tensors(loaded.model):
+        array, raw_dtype = _numpy_in(tensor, dtype)
+        writer.add_tensor(tensor_name, array, raw_dtype=raw_dtype)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
