@@ -17,14 +17,16 @@ def _register_dashboard(app: typer.Typer) -> None:
     # Annotations name only builtins: this module's globals are shared with the `runs` commands.
     @app.command()
     def dashboard(
-        runs: str | None = typer.Option(None, "--runs", help="Runs root whose store file phalanx.db to show "
-                                            "(default ./runs)."),
-        store: str | None = typer.Option(None, "--store", help="A store URL (postgresql://...) or file, "
-                                            "instead of --runs."),
-        host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; beyond loopback needs --token."),
-        port: int = typer.Option(8765, "--port", min=0, max=65535),
-        token: str | None = typer.Option(None, "--token", envvar="PHALANX_DASHBOARD_TOKEN",
-                                            help="Require this token (Bearer header or /login) from every client."),
+        runs: str | None = typer.Option(
+            None, "--runs", metavar="DIR", help="Runs root whose store file phalanx.db to show (default ./runs)."),
+        store: str | None = typer.Option(
+            None, "--store", metavar="URL", help="A store URL (postgresql://...) or file, instead of --runs."),
+        host: str = typer.Option(
+            "127.0.0.1", "--host", metavar="ADDRESS", help="Address to listen on; beyond loopback needs --token."),
+        port: int = typer.Option(8765, "--port", min=0, max=65535, help="Port to listen on (0: any free port)."),
+        token: str | None = typer.Option(
+            None, "--token", metavar="TOKEN", envvar="PHALANX_DASHBOARD_TOKEN",
+            help="Require this token (Bearer header or /login form) from every client."),
     ) -> None:
         """Serve the web dashboard: runs, live curves, rank heatmap, events, goodput, /metrics."""
         from pathlib import Path
