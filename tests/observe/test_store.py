@@ -138,3 +138,24 @@ def test_the_password_never_shows_in_errors():
         RunStore("postgresql://user:hunter2@127.0.0.1:1/db")
     assert "hunter2" not in str(info.value)
     assert sa is not None
+
+
+def test_a_store_at_an_older_schema_version_is_migrated_with_its_runs_kept(store_url, tmp_path):
+    from alembic import command
+    from alembic.config import Config
+
+    from phalanx.observe.store import MIGRATIONS
+
+    engine = sa.create_engine(store_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:  # a store as the first release of phalanx left it
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0001")
+        conn.execute(sa.text("INSERT INTO runs (name, dir, status, started_at, updated_at, restarts) "
+                             "VALUES ('old', '/runs/old', 'finished', 1.0, 1.0, 0)"))
+    engine.dispose()
+    store = RunStore(store_url)
+    assert store.schema_version() == "0002"
+    assert [r["name"] for r in store.list_runs()] == ["old"]
+    assert store.quarantined() == []
