@@ -8,10 +8,13 @@ are the dashboard and `phalanx runs`.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +87,26 @@ class RunStore:
 
         config = Config()
         config.set_main_option("script_location", str(MIGRATIONS))
-        with self.engine.begin() as conn:
+        # Several node agents may open a new store at the same moment: one migrates, the others wait
+        # and then find it done (without the lock, one fails with "table already exists").
+        with self._migration_lock(), self.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(7411062)"))  # held until commit
             config.attributes["connection"] = conn
             command.upgrade(config, "head")
+
+    @contextlib.contextmanager
+    def _migration_lock(self) -> Iterator[None]:
+        """For SQLite, an exclusive lock on a file next to the database; PostgreSQL locks in SQL."""
+        if self.engine.dialect.name != "sqlite":
+            yield
+            return
+        with open(f"{self.engine.url.database}.migrate-lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def schema_version(self) -> str | None:
         with self.engine.connect() as conn:

@@ -159,3 +159,15 @@ def test_a_store_at_an_older_schema_version_is_migrated_with_its_runs_kept(store
     assert store.schema_version() == "0002"
     assert [r["name"] for r in store.list_runs()] == ["old"]
     assert store.quarantined() == []
+
+
+def test_processes_opening_a_new_store_at_once_all_succeed(store_url):
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        versions = pool.map(_open_and_read_version, [store_url] * 4)
+    assert versions == ["0002"] * 4
+
+
+def _open_and_read_version(url: str) -> str:
+    return RunStore(url).schema_version()
