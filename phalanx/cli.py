@@ -23,6 +23,7 @@ from phalanx.errors import PhalanxError
 from phalanx.export.commands import register as register_export
 from phalanx.observe.commands import register as register_observe
 from phalanx.plan.commands import register as register_plan
+from phalanx.preflight.commands import register as register_preflight
 from phalanx.serve.commands import register as register_serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -188,7 +189,7 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-for register in (register_observe, register_export, register_serve, register_plan):
+for register in (register_observe, register_export, register_serve, register_plan, register_preflight):
     register(app)
 
 

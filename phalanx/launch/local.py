@@ -2,7 +2,8 @@
 
 This is what `torchrun` does, with our agent in place of torch's: c10d rendezvous (a free local port
 for one node; `--rdzv-endpoint` shared by every node otherwise), one process per local rank running
-`python -m phalanx.train.worker`, restarts up to `safe.max_restarts`.
+`python -m phalanx.train.worker`, restarts up to `safe.max_restarts`. The same launcher also runs
+one-shot jobs on every rank (the cluster preflight): see OneShot.
 """
 
 from __future__ import annotations
@@ -75,10 +76,21 @@ class LaunchSpec:
         return low, high
 
 
-def launch(spec: LaunchSpec, config: Config) -> bool:
-    """Run the training on this node's ranks until it succeeds, or raise why it could not.
+@dataclass(frozen=True)
+class OneShot:
+    """A job other than training, started on every rank like the trainer: `python ARGS` once, with no
+    restarts and no heartbeats (it has no steps), its events and any stack dumps in `work_dir` rather
+    than the run directory, and its own rendezvous id so it never meets a training job's."""
+
+    role: str  # e.g. "preflight"
+    args: tuple[str, ...]  # e.g. ("-m", "phalanx.preflight.worker", PARAMS_FILE)
+    work_dir: Path
+
+
+def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None) -> bool:
+    """Run the training (or `one_shot`) on this node's ranks until it succeeds, or raise why it could not.
     Returns whether this node ran global rank 0 (the rank that writes the run's summary).
-    The caller has validated `spec` and prepared the run directory."""
+    The caller has validated `spec` and, for training, prepared the run directory."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -88,8 +100,15 @@ def launch(spec: LaunchSpec, config: Config) -> bool:
     from phalanx.safe.agent import PhalanxAgent
 
     min_nodes, max_nodes = spec.node_range()
+    if one_shot is None:
+        role, work_dir, rdzv_id = "trainer", config.run_dir, config.run.name
+        args = ("-m", "phalanx.train.worker", str(config.run_dir / "config.yaml"))
+        max_restarts, heartbeats = config.safe.max_restarts, config.safe.heartbeats
+    else:
+        role, work_dir, rdzv_id = one_shot.role, one_shot.work_dir, f"{config.run.name}-{one_shot.role}"
+        args, max_restarts, heartbeats = one_shot.args, 0, False
     if spec.rdzv_endpoint:
-        endpoint, run_id = spec.rdzv_endpoint, config.run.name  # every node derives the same id
+        endpoint, run_id = spec.rdzv_endpoint, rdzv_id  # every node derives the same id
     else:
         endpoint, run_id = "localhost:0", uuid.uuid4().hex  # a free port: parallel runs never collide
     rdzv = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
@@ -103,11 +122,10 @@ def launch(spec: LaunchSpec, config: Config) -> bool:
         handler = rdzv_registry.get_rendezvous_handler(rdzv)
     except (RendezvousError, ValueError, OSError) as exc:
         raise RendezvousFailedError(f"cannot start the rendezvous at {endpoint}: {exc}") from None
-    worker_spec = WorkerSpec(role="trainer", local_world_size=spec.nproc, entrypoint=sys.executable,
-                             args=("-m", "phalanx.train.worker", str(config.run_dir / "config.yaml")),
-                             rdzv_handler=handler, max_restarts=config.safe.max_restarts, monitor_interval=0.1)
+    worker_spec = WorkerSpec(role=role, local_world_size=spec.nproc, entrypoint=sys.executable, args=args,
+                             rdzv_handler=handler, max_restarts=max_restarts, monitor_interval=0.1)
     board = None
-    if config.safe.heartbeats:
+    if heartbeats:
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         fd, path = tempfile.mkstemp(prefix="phalanx-heartbeat-", dir=shm)
         os.close(fd)
@@ -116,11 +134,13 @@ def launch(spec: LaunchSpec, config: Config) -> bool:
     root = checkpoints_dir(config.run_dir)
 
     def newest_step() -> int | None:
+        if one_shot is not None:
+            return None  # a one-shot job makes no checkpoints
         newest = latest_checkpoint(root)
         return checkpoint_step(newest) if newest else None
 
-    agent = PhalanxAgent(worker_spec, DefaultLogsSpecs(), safe=config.safe, run_dir=config.run_dir,
-                         events=JsonlEventSink(config.run_dir), board=board, newest_checkpoint_step=newest_step)
+    agent = PhalanxAgent(worker_spec, DefaultLogsSpecs(), safe=config.safe, run_dir=work_dir,
+                         events=JsonlEventSink(work_dir), board=board, newest_checkpoint_step=newest_step)
     try:
         result = agent.run()
     except RendezvousError as exc:
@@ -135,6 +155,8 @@ def launch(spec: LaunchSpec, config: Config) -> bool:
     if result is None:  # torch: this node was not needed once the rendezvous closed
         return False
     if result.is_failed():
+        if one_shot is not None:
+            raise RestartsExhaustedError(f"the {role} failed: {agent.last_failure}")
         raise RestartsExhaustedError(f"the run failed again after {config.safe.max_restarts} restarts; "
                                      f"last failure: {agent.last_failure}")
     return agent.hosts_rank0
