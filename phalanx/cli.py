@@ -71,6 +71,7 @@ def train(
     from phalanx.models.flops import count_params
     from phalanx.models.from_config import model_args
     from phalanx.observe.observer import observe_run
+    from phalanx.preflight.gate import preflight_before_training, refuse_if_quarantined
     from phalanx.safe.goodput import run_report
     from phalanx.train.run_dir import prepare_run, read_metrics, run_lock, start_timeline
     from phalanx.train.trainer import SUMMARY_FILE, check_run
@@ -90,6 +91,9 @@ def train(
             start_timeline(config)
         data = prepare_run(config, progress=not json_out)
         check_run(config, data)
+        refuse_if_quarantined(config)
+        if config.safe.preflight != "off":
+            preflight_before_training(config, spec, progress=not json_out)
         args = model_args(config.model, data.vocab_size, config.train.seq_len)
         model = f"{config.model.preset} ({count_params(args) / 1e6:,.1f}M)"
         with observe_run(config, node_rank, spec.nproc * spec.node_range()[1], model, started):

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
+from phalanx.errors import PhalanxError
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -133,6 +135,21 @@ class SafeSection(Section):
     # scheduling noise of a busy host alone moves the score below the threshold.
     straggler_min_ms: float = Field(10.0, ge=0)
     inject: list[FaultSpec] = Field(default_factory=list)
+    # Cluster preflight before training and before each restart (a failing node is named and
+    # quarantined instead of joining); `phalanx preflight` runs the same checks by hand.
+    preflight: Literal["quick", "full", "off"] = "off"
+    # Limits that replace the built-in table's, keyed CHECK (failure) or CHECK.warn (warning).
+    preflight_thresholds: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_thresholds(self) -> "SafeSection":
+        from phalanx.preflight.thresholds import parse_overrides
+
+        try:
+            parse_overrides([f"{k}={v}" for k, v in self.preflight_thresholds.items()])  # unknown check names
+        except PhalanxError as exc:
+            raise ValueError(str(exc).replace("--threshold", "safe.preflight_thresholds")) from None
+        return self
 
 
 class ObserveSection(Section):

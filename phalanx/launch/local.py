@@ -139,8 +139,14 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None) ->
         newest = latest_checkpoint(root)
         return checkpoint_step(newest) if newest else None
 
+    before_restart = None
+    if one_shot is None and config.safe.preflight != "off":
+        from phalanx.preflight.gate import node_preflight_before_restart
+
+        before_restart = node_preflight_before_restart(config, spec.nproc)
     agent = PhalanxAgent(worker_spec, DefaultLogsSpecs(), safe=config.safe, run_dir=work_dir,
-                         events=JsonlEventSink(work_dir), board=board, newest_checkpoint_step=newest_step)
+                         events=JsonlEventSink(work_dir), board=board, newest_checkpoint_step=newest_step,
+                         before_restart=before_restart)
     try:
         result = agent.run()
     except RendezvousError as exc:

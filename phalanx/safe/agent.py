@@ -33,8 +33,9 @@ WAITING_PHASES = ("backward", "collective")  # phases in which a rank can be blo
 
 class PhalanxAgent(LocalElasticAgent):
     def __init__(self, spec, logs_specs, *, safe: SafeSection, run_dir: Path, events: EventSink,
-                 board: HeartbeatBoard | None, newest_checkpoint_step, **kwargs):
+                 board: HeartbeatBoard | None, newest_checkpoint_step, before_restart=None, **kwargs):
         super().__init__(spec, logs_specs, **kwargs)
+        self.before_restart = before_restart  # () -> None, raises to keep this node out (safe.preflight)
         self.safe, self.run_dir, self.events, self.board = safe, run_dir, events, board
         self.detector = HangDetector(safe)
         self.newest_checkpoint_step = newest_checkpoint_step  # () -> int | None, read at each failure
@@ -43,10 +44,14 @@ class PhalanxAgent(LocalElasticAgent):
         self.last_failure = "none"
         self.hosts_rank0 = False
         self._failed = False
+        self._check_node = False
         self._attempt_start_step = newest_checkpoint_step()
 
     # -- attempts ---------------------------------------------------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        if self._check_node:  # after a failure, with the old ranks stopped: is this node still sound?
+            self._check_node = False
+            self.before_restart()
         if self.board is not None:
             self.board.clear()
         self.detector.reset(time.monotonic())
@@ -59,6 +64,7 @@ class PhalanxAgent(LocalElasticAgent):
         # torch also restarts the group when nodes join an elastic job: a regroup, not a recovery.
         if self._failed:
             self.events.emit("restart", attempt=self.attempt + 1, reason=self.last_failure)
+            self._check_node = self.before_restart is not None
         else:
             self.events.emit("regroup", attempt=self.attempt, reason="nodes are waiting to join")
         self._failed = False
