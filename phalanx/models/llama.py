@@ -110,12 +110,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x_BTD, cos_TE, sin_TE, kv_cache=None, start_pos: int = 0):
+    def forward(self, x_BTD, cos_TE, sin_TE, kv_cache=None, start_pos: int = 0, positions_B=None):
         B, T, _ = x_BTD.shape
         q_BHTE = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k_BKTE = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v_BKTE = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q_BHTE, k_BKTE = apply_rope(q_BHTE, cos_TE, sin_TE), apply_rope(k_BKTE, cos_TE, sin_TE)
+        if positions_B is not None:
+            return self.wo(self.attend_rows(q_BHTE, k_BKTE, v_BKTE, kv_cache, positions_B))
 
         mask_TS, is_causal = None, True
         if kv_cache is not None:
@@ -143,6 +145,25 @@ class Attention(nn.Module):
         )
         return self.wo(out_BHTE.transpose(1, 2).reshape(B, T, -1))
 
+    def attend_rows(self, q_BHTE, k_BKTE, v_BKTE, kv_cache, positions_B):
+        """Batched decoding (a server's continuous batching): one new token per row, row b's at its own
+        position positions_B[b], attending to its cached keys up to there. Spelt out rather than SDPA: on
+        CPU, SDPA shares rows out between threads so that a row's last bits change with its batch index,
+        and a served request must get the same tokens whoever its neighbours are. Returns (B, 1, H * E)."""
+        cache_k, cache_v = kv_cache
+        B, S = q_BHTE.shape[0], cache_k.shape[2]
+        rows_B = torch.arange(B, device=q_BHTE.device)
+        cache_k[rows_B, :, positions_B] = k_BKTE[:, :, 0]
+        cache_v[rows_B, :, positions_B] = v_BKTE[:, :, 0]
+        # Query head h reads kv head h // group (HF's repeat_kv order), without copying the cache.
+        group = self.n_heads // self.n_kv_heads
+        q_BKGE = q_BHTE.reshape(B, self.n_kv_heads, group, self.head_dim)
+        scores_BKGS = (q_BKGE @ cache_k[:B].transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        visible_B11S = (torch.arange(S, device=q_BHTE.device)[None, :] <= positions_B[:, None]).view(B, 1, 1, S)
+        scores_BKGS = scores_BKGS.masked_fill(~visible_B11S, float("-inf"))
+        probs_BKGS = torch.softmax(scores_BKGS.float(), dim=-1).to(q_BHTE.dtype)
+        return (probs_BKGS @ cache_v[:B]).reshape(B, 1, self.n_heads * self.head_dim)
+
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
@@ -165,8 +186,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x_BTD, cos_TE, sin_TE, kv_cache=None, start_pos: int = 0):
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TE, sin_TE, kv_cache, start_pos)
+    def forward(self, x_BTD, cos_TE, sin_TE, kv_cache=None, start_pos: int = 0, positions_B=None):
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TE, sin_TE, kv_cache, start_pos, positions_B)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -213,19 +234,31 @@ class Transformer(nn.Module):
         if not args.tie_embeddings:
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
 
-    def forward(self, tokens_BT: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
-        """Logits (B, T, V) in the compute dtype; the caller takes .float() for the loss."""
+    def forward(self, tokens_BT: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+                positions_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) in the compute dtype; the caller takes .float() for the loss.
+
+        positions_B (with a cache, T == 1, ignoring start_pos): row b's token sits at position
+        positions_B[b], so rows at different lengths decode together (see Attention.attend_rows); the
+        caller keeps each position below the cache length."""
         T = tokens_BT.shape[1]
         end = start_pos + T
-        if end > self.args.max_seq_len:
-            raise PhalanxError(f"sequence of {end} tokens exceeds the model's max_seq_len {self.args.max_seq_len}")
-        if cache is not None and end > cache.max_len:
-            raise PhalanxError(f"sequence of {end} tokens exceeds the KV cache length {cache.max_len}")
+        if positions_B is not None:
+            if cache is None or T != 1:
+                raise PhalanxError("per-row positions decode one token per row into a KV cache")
+            # (B, 1, 1, E): each row's own RoPE angles, broadcast over heads.
+            cos_TE, sin_TE = self.rope_cos[positions_B][:, None, None], self.rope_sin[positions_B][:, None, None]
+        else:
+            if end > self.args.max_seq_len:
+                raise PhalanxError(f"sequence of {end} tokens exceeds the model's max_seq_len {self.args.max_seq_len}")
+            if cache is not None and end > cache.max_len:
+                raise PhalanxError(f"sequence of {end} tokens exceeds the KV cache length {cache.max_len}")
+            cos_TE, sin_TE = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
 
         x_BTD = self.tok_embeddings(tokens_BT)
-        cos_TE, sin_TE = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
         for i, layer in enumerate(self.layers):
-            x_BTD = layer(x_BTD, cos_TE, sin_TE, cache.layer(i) if cache is not None else None, start_pos)
+            x_BTD = layer(x_BTD, cos_TE, sin_TE, cache.layer(i) if cache is not None else None, start_pos,
+                          positions_B)
         return self.output(self.norm(x_BTD))
 
     def num_params(self) -> int:

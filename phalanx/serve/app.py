@@ -1,0 +1,120 @@
+"""The FastAPI app of `phalanx serve`: Ollama's and OpenAI's APIs over one engine, /health, /metrics.
+
+Middleware, outermost first: request counting (sees every answer, refusals included), then the API key
+check (every path but /health). Both are plain ASGI so streamed responses pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from phalanx.serve.engine import Engine
+from phalanx.serve.http_common import ApiError, error_response
+from phalanx.serve.metrics import ServeMetrics
+from phalanx.serve.ollama_api import ollama_router
+from phalanx.serve.openai_api import openai_router
+from phalanx.serve.served import ServedModel
+
+log = logging.getLogger("phalanx.serve")
+
+OPEN_PATHS = {"/health"}
+
+
+class CountRequests:
+    def __init__(self, app: ASGIApp, metrics: ServeMetrics, endpoints: set[str]):
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            # Unknown paths share one label, so scanners cannot grow the metric without bound.
+            endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+
+class RequireApiKey:
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            problem = "wrong API key" if given else "missing API key"
+            error = ApiError(401, f"{problem}: send the header 'Authorization: Bearer KEY'", code="invalid_api_key")
+            response = error_response(scope["path"], error, headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(served: ServedModel, engine: Engine, metrics: ServeMetrics, api_key: str | None = None) -> FastAPI:
+    """The app; it starts the engine's thread when it starts and stops it when it stops."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="phalanx serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    routers = [ollama_router(served, engine), openai_router(served, engine)]
+    for router in routers:
+        app.include_router(router)
+    metrics.watch(engine)
+
+    @app.get("/health")
+    async def health():
+        state = {"model": served.name, "slots": engine.slots, "active": engine.active, "waiting": engine.waiting}
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped", **state}, status_code=503)
+        return {"status": "ok", **state}
+
+    @app.get("/")
+    async def root():
+        return Response("phalanx serve is running", media_type="text/plain")
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                               str(exc.detail))
+        return error_response(request.url.path, ApiError(exc.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(request.url.path, ApiError(500, f"internal error: {type(exc).__name__}"))
+
+    endpoints = {route.path for routes in (app.routes, *(r.routes for r in routers)) for route in routes
+                 if isinstance(getattr(route, "path", None), str) and "{" not in route.path}
+    if api_key:
+        app.add_middleware(RequireApiKey, api_key=api_key)
+    app.add_middleware(CountRequests, metrics=metrics, endpoints=endpoints)  # added last: outermost
+    return app

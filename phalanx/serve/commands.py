@@ -1,0 +1,64 @@
+"""The command-line front of phalanx serve and phalanx chat (issue 5): register() adds its commands to the main typer app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+ApiKeyOpt = typer.Option(None, "--api-key", envvar="PHALANX_API_KEY", show_envvar=True,
+                         help="Bearer token every request must send (all endpoints but /health).")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def serve(
+        path: Path = typer.Argument(..., metavar="RUN_DIR|EXPORT_DIR",
+                                    help="A run directory (its newest checkpoint), a checkpoint, or an HF export."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; beyond loopback needs --api-key."),
+        port: int = typer.Option(11434, "--port", min=0, max=65535, help="Port (0: any free port, printed)."),
+        api_key: Optional[str] = ApiKeyOpt,
+        model_name: Optional[str] = typer.Option(None, "--model-name",
+                                                 help="The name clients ask for (default: the directory's name)."),
+        slots: int = typer.Option(8, "--slots", min=1, help="Requests decoded together (KV cache rows)."),
+        max_queue: int = typer.Option(64, "--max-queue", min=0,
+                                      help="Requests that may wait for a slot; more are answered 503."),
+        context: Optional[int] = typer.Option(None, "--context", min=2,
+                                              help="Tokens per slot (default: the model's max_seq_len)."),
+        device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+        dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on GPU, float32 on CPU), float32, "
+                                                          "bfloat16 or float16."),
+        threads: Optional[int] = typer.Option(None, "--threads", min=1,
+                                              help="CPU threads for the model (default: torch's, one per core)."),
+        log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level (warning: no access log)."),
+    ) -> None:
+        """Serve a model over Ollama's and OpenAI's HTTP APIs, batching concurrent requests."""
+        from phalanx.serve.server import serve as run_server
+
+        run_server(path, host, port, api_key or None, model_name, slots, max_queue, context, device, dtype, threads,
+                   log_level)
+
+    @app.command()
+    def chat(
+        target: str = typer.Argument(..., metavar="RUN_DIR|EXPORT_DIR|URL",
+                                     help="A model to load here, or a running server (http://HOST:PORT)."),
+        model: Optional[str] = typer.Option(None, "--model", help="Model on the server (default: its first)."),
+        system: Optional[str] = typer.Option(None, "--system", help="A system message opening the conversation."),
+        temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0, help="0: greedy."),
+        top_k: Optional[int] = typer.Option(None, "--top-k", min=0),
+        top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0),
+        seed: Optional[int] = typer.Option(None, "--seed", help="Fix the sampling for repeatable replies."),
+        num_predict: Optional[int] = typer.Option(None, "--num-predict", min=1, help="Most tokens per reply."),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="PHALANX_API_KEY", show_envvar=True,
+                                              help="The server's API key, if it needs one."),
+        device: str = typer.Option("auto", "--device", help="auto, cpu or cuda (a local model)."),
+        context: Optional[int] = typer.Option(None, "--context", min=2, help="Context of a local model."),
+    ) -> None:
+        """Chat in the terminal: one line per turn, replies streamed; /bye or end of input ends it."""
+        from phalanx.serve.chat import run_chat
+
+        given: dict[str, Any] = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                                 "num_predict": num_predict}
+        run_chat(target, model, system, {k: v for k, v in given.items() if v is not None}, api_key or None, device,
+                 context)

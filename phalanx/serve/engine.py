@@ -1,0 +1,336 @@
+"""The inference engine: continuous batching over a preallocated KV cache.
+
+One background thread owns the model. The cache holds `slots` rows of `context` positions, allocated
+once. A request waits in a bounded queue until a slot is free; at the next step boundary it joins: its
+prompt is prefilled alone into its slot's row, then every step decodes one token for all slots in a
+single batched forward, each row at its own position. Finished rows free their slot at once.
+
+Greedy decoding gives a request the same tokens alone as in a busy batch because each row's math never
+sees its neighbours: the prefill always runs alone (same shapes, same data), and every decode step has
+the same shape, (slots, 1), idle rows padded, so matmuls are never re-blocked by the batch's size, and
+the attention of batched decoding is spelt out row by row (Attention.attend_rows). Sampling is per row,
+with the request's own generator.
+
+Callers hold a RequestStream: text pieces as they are decoded (whole characters, never part of a stop
+string), then one Finish with the reason and the counts and timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from tokenizers import Tokenizer
+
+from phalanx.data.tokenizer import special_ids
+from phalanx.models.llama import KVCache, Transformer
+from phalanx.serve.options import SamplingOptions
+from phalanx.serve.sampler import RequestSampler
+from phalanx.serve.text_stream import IncrementalText, StopMatcher
+
+log = logging.getLogger("phalanx.serve")
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting queue is full (HTTP 503)."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt leaves no room in the context for a reply (HTTP 400); never truncated silently."""
+
+
+@dataclass
+class Finish:
+    reason: str  # "stop" (end of text or a stop string), "length", "cancelled" or "error"
+    prompt_tokens: int
+    completion_tokens: int
+    submitted_at: float  # time.perf_counter() stamps
+    prefill_started_at: float
+    first_token_at: float | None
+    finished_at: float
+    error: str | None = None
+
+    @property
+    def prompt_seconds(self) -> float:
+        """Prefill up to the first token (Ollama's prompt_eval_duration)."""
+        return (self.first_token_at or self.finished_at) - self.prefill_started_at
+
+    @property
+    def generation_seconds(self) -> float:
+        """From the first token to the last (Ollama's eval_duration)."""
+        return self.finished_at - (self.first_token_at or self.finished_at)
+
+    @property
+    def total_seconds(self) -> float:
+        return self.finished_at - self.submitted_at
+
+
+class RequestStream:
+    """One request's output. Iterate it (a thread) or `async for` over chunks() (an event loop, given at
+    submit): text pieces, then it ends and `finish` is set. cancel() frees the slot at the next step."""
+
+    def __init__(self, prompt_tokens: int, loop: asyncio.AbstractEventLoop | None):
+        self.prompt_tokens = prompt_tokens
+        self.finish: Finish | None = None
+        self.cancelled = False
+        self._loop = loop
+        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def _deliver(self, item: str | Finish) -> None:
+        if self._loop is None:
+            self._queue.put(item)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancelled = True
+
+    def __iter__(self) -> Iterator[str]:
+        while not isinstance(item := self._queue.get(), Finish):
+            yield item
+        self.finish = item
+
+    async def chunks(self) -> AsyncIterator[str]:
+        while not isinstance(item := await self._queue.get(), Finish):
+            yield item
+        self.finish = item
+
+    def text(self) -> str:
+        """Everything, waiting for the end (threads only)."""
+        return "".join(self)
+
+
+class EngineObserver(Protocol):
+    def prompt_prefilled(self, tokens: int) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def tokens_generated(self, count: int) -> None: ...
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    options: SamplingOptions
+    limit: int  # most new tokens: max_tokens capped by the context left
+    stream: RequestStream
+    submitted_at: float
+
+
+@dataclass
+class _Running:
+    request: _Request
+    slot: int
+    position: int  # where the next fed token goes in the cache
+    sampler: RequestSampler
+    text: IncrementalText
+    stops: StopMatcher
+    prefill_started_at: float
+    last_token: int = 0
+    generated: int = 0
+    first_token_at: float | None = None
+
+
+class _SlotCache:
+    """One slot's rows of the shared cache, shaped like a batch-of-one KVCache (views: writes land in it)."""
+
+    def __init__(self, cache: KVCache, slot: int):
+        self.max_len = cache.max_len
+        self._layers = [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in zip(cache.k, cache.v)]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._layers[i]
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, slots: int = 8, max_queue: int = 64,
+                 context: int | None = None, observer: EngineObserver | None = None):
+        args = model.args
+        if slots < 1 or max_queue < 0:
+            raise ValueError("an engine needs at least one slot and a queue of at least 0")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.bos_id, self.eos_id = special_ids(tokenizer)
+        self.slots, self.max_queue = slots, max_queue
+        self.context = min(context or args.max_seq_len, args.max_seq_len)
+        weight = model.tok_embeddings.weight
+        self.device = weight.device
+        self.cache = KVCache(args, slots, self.context, dtype=weight.dtype, device=self.device)
+        self.observer = observer
+        self._cond = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._active: dict[int, _Running] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- the caller's side ----
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.cache.k, *self.cache.v))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def submit(self, prompt_ids: list[int], options: SamplingOptions, context_limit: int | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Queue a request; raises PromptTooLong or QueueFull at once rather than failing later.
+        context_limit (a request's num_ctx) can only narrow the engine's context."""
+        context = min(context_limit or self.context, self.context)
+        n = len(prompt_ids)
+        if n == 0:
+            raise PromptTooLong("the prompt is empty")
+        if n >= context:
+            raise PromptTooLong(f"the prompt is {n} tokens but the context holds {context}, leaving no room "
+                                f"for a reply; shorten it to at most {context - 1} tokens")
+        room = context - n
+        limit = room if options.max_tokens is None else min(options.max_tokens, room)
+        stream = RequestStream(n, loop)
+        request = _Request(list(prompt_ids), options, limit, stream, time.perf_counter())
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._active) + len(self._waiting) >= self.slots + self.max_queue:
+                raise QueueFull(f"all {self.slots} slots are busy and {len(self._waiting)} requests are waiting "
+                                f"(the most the queue holds); try again later")
+            self._waiting.append(request)
+            self._cond.notify()
+        return stream
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="phalanx-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the loop; requests still running or waiting finish with reason "error"."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)  # per thread: this one only ever does inference
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._active:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                joining = []
+                free = [s for s in range(self.slots) if s not in self._active]
+                while self._waiting and len(joining) < len(free):
+                    joining.append(self._waiting.popleft())
+            for slot, request in zip(free, joining):
+                self._join(slot, request)
+            for run in [r for r in self._active.values() if r.request.stream.cancelled]:
+                self._finish(run, "cancelled")
+            if self._active:
+                self._decode_step()
+        with self._cond:
+            left = list(self._active.values()), list(self._waiting)
+            self._waiting.clear()
+        for run in left[0]:
+            self._finish(run, "error", "the server is shutting down")
+        for request in left[1]:
+            self._finish_unstarted(request, "error", "the server is shutting down")
+
+    def _join(self, slot: int, request: _Request) -> None:
+        """Prefill a new request alone into its slot and take its first token."""
+        if request.stream.cancelled:
+            return self._finish_unstarted(request, "cancelled")
+        if request.limit == 0:
+            return self._finish_unstarted(request, "length")
+        run = _Running(request, slot, len(request.prompt_ids),
+                       RequestSampler(request.options, request.prompt_ids, self.context, self.device),
+                       IncrementalText(self.tokenizer), StopMatcher(request.options.stop), time.perf_counter())
+        with self._cond:
+            self._active[slot] = run
+        try:
+            prompt_1T = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+            logits_V = self.model(prompt_1T, _SlotCache(self.cache, slot), start_pos=0)[0, -1]
+            if self.observer:
+                self.observer.prompt_prefilled(len(request.prompt_ids))
+            self._take(run, run.sampler.pick(logits_V))
+        except Exception as e:  # a broken request must not take the server down
+            log.exception("prefill failed")
+            self._finish(run, "error", f"generation failed: {e}")
+
+    def _decode_step(self) -> None:
+        runs = list(self._active.values())
+        tokens, positions = [0] * self.slots, [0] * self.slots  # idle rows: token 0 at position 0, ignored
+        for run in runs:
+            tokens[run.slot], positions[run.slot] = run.last_token, run.position
+        try:
+            tokens_N1 = torch.tensor(tokens, dtype=torch.long, device=self.device).view(self.slots, 1)
+            positions_N = torch.tensor(positions, dtype=torch.long, device=self.device)
+            logits_NV = self.model(tokens_N1, self.cache, positions_B=positions_N)[:, 0].float()
+            greedy = logits_NV.argmax(dim=-1).tolist()
+            for run in runs:
+                token = greedy[run.slot] if run.sampler.greedy_without_penalties else run.sampler.pick(
+                    logits_NV[run.slot])
+                run.position += 1
+                self._take(run, token)
+        except Exception as e:  # fail this step's requests, keep serving
+            log.exception("decode step failed")
+            for run in runs:
+                if run.slot in self._active:
+                    self._finish(run, "error", f"generation failed: {e}")
+
+    def _take(self, run: _Running, token: int) -> None:
+        now = time.perf_counter()
+        if run.first_token_at is None:
+            run.first_token_at = now
+            if self.observer:
+                self.observer.first_token(now - run.request.submitted_at)
+        run.generated += 1
+        if self.observer:
+            self.observer.tokens_generated(1)
+        run.sampler.accept(token)
+        if token == self.eos_id and not run.request.options.ignore_eos:
+            return self._finish(run, "stop")
+        piece = run.stops.push(run.text.push(token))
+        if piece:
+            run.request.stream._deliver(piece)
+        if run.stops.stopped:
+            return self._finish(run, "stop")
+        if run.generated >= run.request.limit:
+            return self._finish(run, "length")
+        run.last_token = token
+
+    def _finish(self, run: _Running, reason: str, error: str | None = None) -> None:
+        stream = run.request.stream
+        if reason != "error":
+            tail = run.stops.push(run.text.flush()) + run.stops.flush()
+            if tail:
+                stream._deliver(tail)
+        with self._cond:
+            self._active.pop(run.slot, None)
+        stream._deliver(Finish(reason, len(run.request.prompt_ids), run.generated, run.request.submitted_at,
+                               run.prefill_started_at, run.first_token_at, time.perf_counter(), error))
+
+    def _finish_unstarted(self, request: _Request, reason: str, error: str | None = None) -> None:
+        now = time.perf_counter()
+        request.stream._deliver(Finish(reason, len(request.prompt_ids), 0, request.submitted_at, now, None, now,
+                                       error))

@@ -1,0 +1,106 @@
+"""Ollama's request bodies (docs.ollama.com/api), strictly: /api/generate, /api/chat and /api/show.
+
+Fields phalanx cannot honour (images, tools, structured output, thinking, log-probabilities, a request's
+own template) are accepted only empty, as the official client sends some of them, and refused by name
+otherwise. keep_alive is accepted: the model stays loaded for the server's whole life in any case.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from phalanx.serve.http_common import ApiError, StrictModel, sampling_options
+from phalanx.serve.options import SamplingOptions
+
+# Ollama's defaults where a request leaves an option out (its Modelfile defaults, llama.cpp's values).
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1,
+            "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+class OllamaOptions(StrictModel):
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    num_predict: int | None = None  # -1: until the context is full (-2 too)
+    num_ctx: int | None = Field(None, ge=1)  # narrows the server's context for this request, never widens it
+
+
+class _OllamaRequest(StrictModel):
+    model: str = Field(min_length=1)
+    stream: bool = True
+    options: OllamaOptions | None = None
+    keep_alive: float | int | str | None = None
+    format: Any = None
+    think: bool | str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"format": ("",), "think": (False,), "logprobs": (False,),
+                                               "top_logprobs": (0,)}
+
+    def sampling(self, template_stops: list[str]) -> tuple[SamplingOptions, int | None]:
+        """The engine's options (Ollama's defaults filled in) and the request's context limit (num_ctx)."""
+        given = self.options.model_dump(exclude_none=True) if self.options else {}
+        num_predict = given.pop("num_predict", -1)
+        if num_predict < -2:
+            raise ApiError(400, "num_predict must be >= 0, or -1 for no limit")
+        num_ctx = given.pop("num_ctx", None)
+        # The template's own stops end the assistant's turn whatever else the request adds.
+        stops = tuple(dict.fromkeys([*template_stops, *given.pop("stop", [])]))
+        options = sampling_options(**{**DEFAULTS, **given, "stop": stops,
+                                      "max_tokens": None if num_predict < 0 else num_predict})
+        return options, num_ctx
+
+
+class GenerateRequest(_OllamaRequest):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    images: list[str] | None = None
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_OllamaRequest.UNSUPPORTED, "suffix": ("",), "template": ("",), "context": ([],), "images": ([],),
+        "width": (), "height": (), "steps": ()}
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "user", "assistant"]
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"images": ([],), "tool_calls": ([],)}
+
+
+class ChatRequest(_OllamaRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OllamaRequest.UNSUPPORTED, "tools": ([],)}
+
+
+class ShowRequest(StrictModel):
+    model: str | None = None
+    name: str | None = None  # older clients' spelling of model
+    verbose: bool | None = None
+
+    @property
+    def requested(self) -> str:
+        if not (self.model or self.name):
+            raise ApiError(400, "missing field 'model'")
+        return self.model or self.name

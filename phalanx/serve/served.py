@@ -1,0 +1,107 @@
+"""The model a server serves: loaded from a run directory or an HF export, with its name, chat template
+and the facts the APIs report about it (/api/tags, /api/show, /v1/models)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx.data.tokenizer import BOS
+from phalanx.errors import PhalanxError
+from phalanx.serve.chat_template import CHAT_STOP, CHAT_TEMPLATE, render_chat
+from phalanx.serve.generate import LoadedModel, load_run
+
+
+@dataclass
+class ServedModel:
+    name: str  # as clients ask for it; "NAME" and "NAME:latest" are the same model when NAME has no tag
+    loaded: LoadedModel
+    template: str
+    source: Path
+    format: str  # "safetensors" (an HF export) or "dcp" (a run's checkpoint)
+    load_seconds: float
+    loaded_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+
+    @property
+    def chat_stops(self) -> list[str]:
+        # Where a reply ends besides end-of-text: phalanx's template ends a turn with a blank line and the
+        # next speaker's name, which a model trained on plays goes on to write.
+        return list(CHAT_STOP)
+
+    def matches(self, requested: str) -> bool:
+        return requested == self.name or (":" not in self.name and requested == f"{self.name}:latest")
+
+    @property
+    def tagged_name(self) -> str:
+        return self.name if ":" in self.name else f"{self.name}:latest"
+
+    @property
+    def parameters(self) -> int:
+        return self.loaded.model.num_params()
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+
+    @property
+    def digest(self) -> str:
+        """An identifier of this model (source and shape), not a hash of the weights' bytes."""
+        args = self.loaded.model.args.__dict__
+        return hashlib.sha256(json.dumps([str(self.loaded.checkpoint), args], sort_keys=True).encode()).hexdigest()
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the conversation rendered with the chat template, ready for the assistant's turn."""
+        try:
+            text = render_chat(messages, bos_token=BOS, template=self.template)
+        except Exception as e:  # jinja2's errors from a template that came with an export
+            raise ValueError(f"the chat template could not render these messages: {e}") from None
+        return self.loaded.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """Plain text to continue, framed as in training: BOS, then the text."""
+        bos = self.loaded.tokenizer.token_to_id(BOS)
+        return [bos] + self.loaded.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def details(self) -> dict[str, Any]:
+        """Ollama's `details` object."""
+        return {"parent_model": "", "format": self.format, "family": "llama", "families": ["llama"],
+                "parameter_size": _human_count(self.parameters),
+                "quantization_level": _DTYPE_NAMES.get(next(self.loaded.model.parameters()).dtype, "unknown")}
+
+
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}  # as GGUF names them
+
+
+def _human_count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def load_served_model(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                      name: str | None = None) -> ServedModel:
+    """A run directory (its newest checkpoint), a checkpoint directory, or an HF export directory."""
+    from phalanx.export.hf import is_hf_export, load_hf_export, read_chat_template
+
+    path = Path(path)
+    if not path.exists():
+        raise PhalanxError(f"{path} does not exist: give a run directory, a checkpoint or an HF export directory")
+    started = time.perf_counter()
+    if is_hf_export(path):
+        loaded, template, fmt = load_hf_export(path, device), read_chat_template(path) or CHAT_TEMPLATE, "safetensors"
+    else:
+        loaded, template, fmt = load_run(path, device), CHAT_TEMPLATE, "dcp"
+    if dtype is not None:
+        loaded.model.to(dtype)
+    if name is None:
+        # A checkpoint directory (runs/NAME/checkpoints/step_N) is named after its run.
+        name = path.resolve().parent.parent.name if (path / "trainer.json").is_file() else path.resolve().name
+    return ServedModel(name, loaded, template, path.resolve(), fmt, time.perf_counter() - started)

@@ -1,0 +1,93 @@
+"""`phalanx serve`: check where it may listen, load the model, start the engine and run uvicorn.
+
+Secure by default: loopback only unless an API key guards every endpoint; the socket is bound before
+the model loads, so a taken port fails at once with one clear line.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+
+import torch
+
+from phalanx.errors import PhalanxError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def check_listen(host: str, api_key: str | None) -> None:
+    if not is_loopback(host) and not api_key:
+        raise PhalanxError(f"refusing to listen on {host} without an API key: anyone who can reach it could use "
+                           "the model; pass --api-key KEY (or set PHALANX_API_KEY), or keep --host 127.0.0.1")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        raise PhalanxError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def pick_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device not in ("auto", "cpu", "cuda") or dtype not in ("auto", *DTYPES):
+        raise PhalanxError(f"--device must be auto|cpu|cuda and --dtype auto|{'|'.join(DTYPES)} "
+                           f"(got {device}, {dtype})")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PhalanxError("--device cuda, but no GPU is visible to torch")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device), DTYPES[dtype]
+
+
+def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str | None, slots: int,
+          max_queue: int, context: int | None, device: str, dtype: str, threads: int | None = None,
+          log_level: str = "info") -> None:
+    import uvicorn
+
+    from phalanx.serve.app import create_app
+    from phalanx.serve.engine import Engine
+    from phalanx.serve.metrics import ServeMetrics
+    from phalanx.serve.served import load_served_model
+
+    check_listen(host, api_key)
+    torch_device, torch_dtype = pick_device(device, dtype)
+    if threads is not None:
+        # On a CPU shared with other work, fewer threads than cores avoid stalls at every op's barrier.
+        torch.set_num_threads(threads)
+    sock = bind(host, port)
+    served = load_served_model(path, torch_device, torch_dtype, name=model_name)
+    max_seq_len = served.loaded.model.args.max_seq_len
+    if context is not None and context > max_seq_len:
+        raise PhalanxError(f"--context {context} is longer than the model's max_seq_len {max_seq_len}")
+    metrics = ServeMetrics()
+    engine = Engine(served.loaded.model, served.loaded.tokenizer, slots=slots, max_queue=max_queue,
+                    context=context, observer=metrics)
+    app = create_app(served, engine, metrics, api_key=api_key)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    print(f"phalanx serve: model '{served.name}' ({served.parameters / 1e6:.1f}M parameters, {torch_dtype}, "
+          f"{torch_device}), {slots} slots x {engine.context} tokens, KV cache "
+          f"{engine.kv_cache_bytes / 2**20:.1f} MiB, queue {max_queue}, {torch.get_num_threads()} threads"
+          f"{', API key required' if api_key else ''}", flush=True)
+    print(f"phalanx serve: listening on http://{shown}:{bound_port}", flush=True)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,85 @@
+"""Live servers for the serving tests: the `phalanx serve` subprocess's address, and the same app run in a
+thread of the test process for settings the shared server does not have."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+API_KEY = "test-key-0123"
+MODEL = "tiny-test"
+# The tiny shape of tests/conftest.py's TINY, with a longer context so a request can run for a while
+# (the queue tests) and a prompt can overflow it; 4 steps of training are plenty to serve.
+SERVE_RUN = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=160",
+    "model.max_seq_len=1024", "data.vocab_size=384", "train.seq_len=32", "train.global_batch_size=8",
+    "train.micro_batch_size=4", "train.max_steps=4", "train.warmup_steps=2", "train.eval_interval=4",
+    "train.eval_batches=2", "checkpoint.interval=4", "checkpoint.keep=1",
+]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    api_key: str | None
+    model: str = MODEL
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: Path | None = None,
+                 timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"phalanx serve exited {proc.returncode}:\n{log.read_text() if log else ''}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"server at {url} never became healthy")
+
+
+class InProcessServer:
+    """The same app in a thread of the test process, for settings the shared server does not have."""
+
+    def __init__(self, path: Path, slots: int, max_queue: int, api_key: str | None = None,
+                 name: str | None = MODEL):
+        import uvicorn
+
+        from phalanx.serve.app import create_app
+        from phalanx.serve.engine import Engine
+        from phalanx.serve.metrics import ServeMetrics
+        from phalanx.serve.served import load_served_model
+        from phalanx.serve.server import bind
+
+        self.served = load_served_model(path, name=name)
+        metrics = ServeMetrics()
+        self.engine = Engine(self.served.loaded.model, self.served.loaded.tokenizer, slots=slots,
+                             max_queue=max_queue, observer=metrics)
+        app = create_app(self.served, self.engine, metrics, api_key=api_key)
+        self.sock = bind("127.0.0.1", 0)
+        self.live = LiveServer(f"http://127.0.0.1:{self.sock.getsockname()[1]}", api_key)
+        self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        wait_healthy(self.live.url)
+        return self.live
+
+    def __exit__(self, *exc) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(30)
