@@ -1,0 +1,391 @@
+"""Peak memory of one training step on one rank, from the model's shapes, as phalanx's trainer runs it.
+
+The trainer keeps float32 parameters, float32 gradients and AdamW's two float32 moments; computes in
+bf16 on GPUs (autocast under none/ddp, FSDP2's MixedPrecisionPolicy under fsdp) and in float32 on CPU;
+keeps the logits referenced until the step ends; and reduces gradients in float32. Rather than add up
+"parameters + gradients + optimizer + activations", which is never what is live at one moment, this
+module walks through one step (forward, backward unit by unit from the loss down to the embedding,
+the optimizer step) adding and freeing what torch allocates, and reports the highest point and what
+was live there.
+
+What each unit keeps for backward was read off the model's ops (llama.py) and checked tensor by tensor
+with autograd's saved-tensor hooks; the step's peaks were checked against measured allocations
+(phalanx/plan/measure.py, tests/plan). Shape letters: B micro batch, T tokens, D dim, F ffn dim, V
+vocab, H query heads, E head dim, KE = n_kv_heads * E, Nb parameters of one block.
+
+Assumed and not modelled: SDPA runs a flash-style kernel (saves its output and a float32 logsumexp,
+never the T x T scores: true on CPU, and on CUDA, where torch documents grouped-query attention for
+its flash and math kernels only; a math fallback would add B x H x T x T per block); no torch.compile
+(compiled blocks usually save less, so the plan errs high); on GPUs, foreach AdamW (torch's default
+there) takes sqrt(exp_avg_sq) of a whole parameter group at once. The allocator's rounding and
+fragmentation, the runtime's own context and the collective library's buffers belong to the headroom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from phalanx.errors import PhalanxError
+from phalanx.models.llama import ModelArgs
+
+FP32, BF16, INT64 = 4, 2, 8
+
+# What is live, grouped for the report.
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER = "optimizer states"
+BUCKETS = "DDP gradient buckets"
+WEIGHT_COPIES = "gathered/cast weights"  # FSDP's all-gathered blocks, autocast's bf16 weight copies
+ACTIVATIONS = "activations"  # saved for backward, the held logits, the input tokens
+TEMPORARIES = "temporaries"  # gradients of activations, collective buffers, optimizer scratch
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER, BUCKETS, WEIGHT_COPIES, ACTIVATIONS, TEMPORARIES)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One rank's share of a training step."""
+
+    args: ModelArgs
+    strategy: str  # none | ddp | fsdp
+    world_size: int
+    micro_batch: int
+    seq_len: int
+    accumulation: int = 1  # micro-batches per optimizer step on each rank
+    activation_checkpointing: bool = False
+    dtype: str = "bfloat16"  # the compute dtype: bfloat16 | float32
+    device_kind: str = "gpu"  # gpu: nccl, foreach AdamW; cpu: gloo, per-tensor AdamW
+
+    def __post_init__(self):
+        if self.strategy not in ("none", "ddp", "fsdp"):
+            raise PhalanxError(f"strategy must be none, ddp or fsdp, not {self.strategy!r}")
+        if self.strategy == "none" and self.world_size != 1:
+            raise PhalanxError("strategy none runs one process; use ddp or fsdp for more than one device")
+        if self.dtype not in ("bfloat16", "float32") or self.device_kind not in ("gpu", "cpu"):
+            raise PhalanxError(f"dtype must be bfloat16|float32 and device kind gpu|cpu, not "
+                               f"{self.dtype}, {self.device_kind}")
+        for name in ("world_size", "micro_batch", "seq_len", "accumulation"):
+            if getattr(self, name) < 1:
+                raise PhalanxError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
+        if self.seq_len > self.args.max_seq_len:
+            raise PhalanxError(f"sequence length {self.seq_len} exceeds the model's max_seq_len "
+                               f"{self.args.max_seq_len}")
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp" and self.world_size > 1  # one process: parallelize() wraps nothing
+
+    @property
+    def ddp(self) -> bool:
+        return self.strategy == "ddp" and self.world_size > 1
+
+    @property
+    def regime(self) -> str:
+        """float32 | autocast (fp32 weights, bf16 matmuls) | fsdp_bf16 (bf16 gathered weights)."""
+        if self.dtype == "float32":
+            return "float32"
+        return "fsdp_bf16" if self.sharded else "autocast"
+
+
+@dataclass
+class MemoryEstimate:
+    peak_bytes: int
+    peak_at: str  # the moment of the step where memory is highest
+    at_peak: dict[str, int]  # what is live then, by category (sums to peak_bytes)
+    parameters: int  # resident on this rank, whatever the moment
+    gradients: int
+    optimizer_states: int
+    ddp_buckets: int
+    activations: int  # saved for backward (with the held logits) when the forward ends
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def param_shapes(args: ModelArgs) -> dict[str, list[tuple[int, ...]]]:
+    """Parameter shapes by FSDP group, as Transformer(args) registers them: "root" (embedding, final
+    norm, untied output) and "block" (each of the n_layers blocks has the same)."""
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    hd = args.n_heads * args.head_dim
+    block = [(hd, d), (kv, d), (kv, d), (d, hd), (f, d), (f, d), (d, f), (d,), (d,)]
+    root = [(args.vocab_size, d), (d,)] + ([] if args.tie_embeddings else [(args.vocab_size, d)])
+    return {"root": root, "block": block}
+
+
+def estimate(w: Workload) -> MemoryEstimate:
+    """Walk one steady-state optimizer step (AdamW's moments already exist) and return its peak."""
+    return _StepWalk(w).run()
+
+
+class _Live:
+    """Live bytes by category; remembers the highest total and what made it up."""
+
+    def __init__(self):
+        self.now: Counter[str] = Counter()
+        self.peak, self.peak_at, self.at_peak = 0, "", {}
+
+    def add(self, category: str, nbytes: float, moment: str) -> None:
+        self.now[category] += int(nbytes)
+        self._check(moment)
+
+    def free(self, category: str, nbytes: float) -> None:
+        self.now[category] -= int(nbytes)
+
+    def spike(self, category: str, nbytes: float, moment: str) -> None:
+        """Bytes alive for one moment only (made and freed inside one op)."""
+        self.add(category, nbytes, moment)
+        self.free(category, nbytes)
+
+    def _check(self, moment: str) -> None:
+        total = sum(self.now.values())
+        if total > self.peak:
+            self.peak, self.peak_at = total, moment
+            self.at_peak = {c: self.now[c] for c in CATEGORIES if self.now[c]}
+
+
+class _StepWalk:
+    def __init__(self, w: Workload):
+        self.w, a = w, w.args
+        self.live = _Live()
+        n = w.world_size if w.sharded else 1
+        shapes = param_shapes(a)
+        numel = lambda s: math.prod(s)  # noqa: E731
+        padded = lambda s: math.ceil(s[0] / n) * n * math.prod(s[1:])  # FSDP2 pads dim 0 to N rows
+        self.root_numel = sum(numel(s) for s in shapes["root"])
+        self.block_numel = sum(numel(s) for s in shapes["block"])
+        self.root_padded = sum(padded(s) for s in shapes["root"])
+        self.block_padded = sum(padded(s) for s in shapes["block"])
+        self.block_matmul = sum(numel(s) for s in shapes["block"] if len(s) == 2)
+        self.total_numel = self.root_numel + a.n_layers * self.block_numel
+        local_numel = (self.root_padded + a.n_layers * self.block_padded) / n
+        self.params = FP32 * local_numel
+        self.buffers = 2 * FP32 * a.max_seq_len * a.head_dim  # RoPE cos and sin tables, never sharded
+        self.grads = FP32 * local_numel
+        # AdamW: exp_avg and exp_avg_sq like each parameter; the `step` counters are CPU scalars.
+        self.states = 2 * FP32 * local_numel + (FP32 * self._n_param_tensors() if w.device_kind == "cpu" else 0)
+        self.buckets = FP32 * self.total_numel if w.ddp else 0  # gradient_as_bucket_view=False: a copy
+        # FSDP's all-gathered weights and their unsharded gradients: bf16 under its mixed precision.
+        self.gather = BF16 if w.regime == "fsdp_bf16" else FP32
+        self.act = FP32 if w.regime == "float32" else BF16  # matmul outputs
+        self.residual = BF16 if w.regime == "fsdp_bf16" else FP32  # the residual stream
+        self.gloo_copies = w.device_kind == "cpu"  # gloo copies a collective's buffer; nccl does not
+        bt = w.micro_batch * w.seq_len
+        self.bt, self.btv = bt, bt * a.vocab_size
+        self.logits = self.act * self.btv  # the trainer's `logits`, referenced until the step returns
+
+    def _n_param_tensors(self) -> int:
+        shapes = param_shapes(self.w.args)
+        return len(shapes["root"]) + self.w.args.n_layers * len(shapes["block"])
+
+    # -- what each unit saves for backward ---------------------------------------------------------
+    def block_saved(self) -> int:
+        """Bytes autograd keeps for one block (without activation checkpointing)."""
+        a, w, bt = self.w.args, self.w, self.bt
+        d, kv, f = a.dim, a.n_kv_heads * a.head_dim, a.ffn_dim
+        # Two RMSNorm rsqrt (B, T, 1) and SDPA's logsumexp (B, H, T), float32 in every regime.
+        small = FP32 * (2 * bt + w.micro_batch * a.n_heads * w.seq_len)
+        # RoPE tables cast to bf16 for q and k (cos, sin each), T x E: float32 buffers under bf16.
+        rope = 4 * BF16 * w.seq_len * a.head_dim if w.dtype == "bfloat16" else 0
+        if w.regime == "float32":
+            # input x, norm y, norm out (shared by wq/wk/wv), q, SDPA out (= wo's input, a view), h,
+            # ffn norm y and out; k, v; w1 out (silu's input), silu out, w3 out, their product.
+            return FP32 * (8 * bt * d + 2 * bt * kv + 4 * bt * f) + small
+        if w.regime == "autocast":
+            # float32: x, norm y, h, ffn norm y. bf16: autocast casts the norm output once per linear
+            # (wq, wk, wv; w1, w3: 5 copies), q, SDPA out; k, v; the four SwiGLU tensors.
+            return FP32 * 4 * bt * d + BF16 * (7 * bt * d + 2 * bt * kv + 4 * bt * f) + small + rope
+        # fsdp_bf16: each norm saves its float32 upcast (2), and bf16: norm y and out (x2), q, SDPA
+        # out; k, v; the SwiGLU four.
+        return FP32 * 2 * bt * d + BF16 * (6 * bt * d + 2 * bt * kv + 4 * bt * f) + small + rope
+
+    def head_saved(self) -> int:
+        """Final norm, output projection and loss: log_softmax's float32 result and the norm's tensors."""
+        d, bt = self.w.args.dim, self.bt
+        norm = {"float32": FP32 * 3 * bt * d, "autocast": FP32 * 2 * bt * d + BF16 * bt * d,
+                "fsdp_bf16": FP32 * bt * d + BF16 * 2 * bt * d}[self.w.regime]
+        return FP32 * self.btv + norm + FP32 * bt + FP32  # and nll_loss's total weight, a scalar
+
+    def block_input(self) -> int:
+        """What a checkpointed block keeps: its input (the residual stream)."""
+        return self.residual * self.bt * self.w.args.dim
+
+    def autocast_copies(self) -> tuple[int, int]:
+        """bf16 copies of the matmul weights autocast makes and autograd keeps: (per block, output)."""
+        if self.w.regime != "autocast":
+            return 0, 0
+        return BF16 * self.block_matmul, BF16 * self.w.args.vocab_size * self.w.args.dim
+
+    # -- the step ------------------------------------------------------------------------------------
+    def run(self) -> MemoryEstimate:
+        w, live = self.w, self.live
+        live.add(PARAMETERS, self.params + self.buffers, "start")
+        live.add(OPTIMIZER, self.states, "start")
+        live.add(BUCKETS, self.buckets, "start")
+        live.add(ACTIVATIONS, 2 * INT64 * self.bt * w.accumulation, "start")  # every micro-batch's tokens
+        saved = self._forward_saved()
+        # Later micro-batches start with the earlier ones' gradients (and logits) alive; the last one
+        # also reduces them, so the first and the last show the peak of any number.
+        for micro in sorted({0, w.accumulation - 1}):
+            self._forward(micro)
+            self._backward(micro, last=micro == w.accumulation - 1)
+        self._optimizer_step()
+        return MemoryEstimate(
+            peak_bytes=live.peak, peak_at=live.peak_at, at_peak=live.at_peak,
+            parameters=int(self.params + self.buffers), gradients=int(self.grads),
+            optimizer_states=int(self.states), ddp_buckets=int(self.buckets), activations=int(saved),
+        )
+
+    def _forward_saved(self) -> int:
+        block = self.block_input() if self.w.activation_checkpointing else self.block_saved()
+        return self.w.args.n_layers * block + self.head_saved() + self.logits
+
+    def _gather(self, numel_padded: float, moment: str) -> None:
+        """FSDP all-gather of one group: the flat output buffer (and gloo's copy of it), then the
+        copy-out into the unsharded parameters; the flat buffer is freed after."""
+        nbytes = self.gather * numel_padded
+        self.live.add(TEMPORARIES, nbytes, moment)
+        if self.gloo_copies:
+            self.live.spike(TEMPORARIES, nbytes, moment)
+        self.live.add(WEIGHT_COPIES, nbytes, moment)
+        self.live.free(TEMPORARIES, nbytes)
+
+    def _forward(self, micro: int) -> None:
+        w, live, a = self.w, self.live, self.w.args
+        per_block_copies, output_copy = self.autocast_copies()
+        if self.w.sharded:
+            self._gather(self.root_padded, "forward: all-gather of the root group")
+        for i in range(a.n_layers):
+            where = f"forward: block {i}"
+            if w.sharded:
+                self._gather(self.block_padded, where)
+            if w.activation_checkpointing:
+                live.add(ACTIVATIONS, self.block_input(), where)
+                # autocast caches its weight copies until the autocast region ends, checkpoint or not
+                live.add(WEIGHT_COPIES, per_block_copies, where)
+            else:
+                live.add(ACTIVATIONS, self.block_saved(), where)
+                live.add(WEIGHT_COPIES, per_block_copies, where)
+            if w.sharded and w.device_kind == "gpu":
+                # The host runs ahead of the GPU: the next block's all-gather lands while this one computes.
+                live.spike(TEMPORARIES, self.gather * self.block_padded, where)
+            if w.sharded:
+                live.free(WEIGHT_COPIES, self.gather * self.block_padded)
+        live.add(WEIGHT_COPIES, output_copy, "forward: output projection")
+        live.add(ACTIVATIONS, self.logits, "forward: logits")
+        head = self.head_saved()
+        if w.dtype == "bfloat16":  # logits.float() lives while log_softmax runs
+            live.spike(TEMPORARIES, FP32 * self.btv, "forward: loss")
+        live.add(ACTIVATIONS, head, "forward: loss")
+        if micro > 0:
+            live.free(ACTIVATIONS, self.logits)  # the previous micro-batch's logits, now unreferenced
+        if w.activation_checkpointing:  # leaving autocast: copies nobody saved are freed
+            live.free(WEIGHT_COPIES, a.n_layers * per_block_copies)
+
+    def _backward(self, micro: int, last: bool) -> None:
+        w, live, a = self.w, self.live, self.w.args
+        per_block_copies, output_copy = self.autocast_copies()
+        d, f, v = a.dim, a.ffn_dim, a.vocab_size
+        fsdp_grad = self.gather  # FSDP's unsharded gradients come in the gathered dtype
+        prefetch = self.gather * self.block_padded if w.sharded else 0
+
+        # Loss, then the output projection. The gradient reaching the logits fires FSDP's root
+        # pre-backward, which prefetches the last block.
+        live.spike(TEMPORARIES, 2 * FP32 * self.btv, "backward: loss (log_softmax gradient)")
+        live.free(ACTIVATIONS, FP32 * self.btv)  # log_softmax's result, released by its backward
+        live.add(TEMPORARIES, FP32 * self.btv, "backward: output projection")
+        self._prefetch(prefetch, "backward: output projection")
+        if w.dtype == "bfloat16":
+            live.spike(TEMPORARIES, BF16 * self.btv, "backward: output projection")
+        self._weight_grad(v * d + d, "backward: output projection")  # output weight and final norm
+        live.free(TEMPORARIES, FP32 * self.btv)
+        live.free(ACTIVATIONS, self.head_saved() - FP32 * self.btv)
+        live.free(WEIGHT_COPIES, output_copy)
+
+        rs_input = 0  # FSDP keeps the latest reduce-scatter input until the next one
+        for i in reversed(range(a.n_layers)):
+            where = f"backward: block {i}"
+            if w.sharded:  # the prefetched all-gather is copied out; the next block is prefetched
+                live.add(WEIGHT_COPIES, self.gather * self.block_padded, where)
+                live.free(TEMPORARIES, prefetch)
+                if i > 0:
+                    self._prefetch(prefetch, where)
+            if w.activation_checkpointing:  # recompute the block's forward
+                live.add(ACTIVATIONS, self.block_saved(), where + " (recompute)")
+                live.add(WEIGHT_COPIES, per_block_copies, where + " (recompute)")
+            # Inside the block: SwiGLU's backward holds the gradients of w2's input and of both its
+            # factors (3 x B T F) while w2's input is already freed, beside the residual gradients.
+            live.spike(TEMPORARIES, 2 * self.act * self.bt * f + 2 * self.residual * self.bt * d, where)
+            self._weight_grad(self.block_numel, where)
+            saved = self.block_saved() + (self.block_input() if w.activation_checkpointing else 0)
+            live.free(ACTIVATIONS, saved)
+            live.free(WEIGHT_COPIES, per_block_copies)
+            if w.sharded:
+                live.free(WEIGHT_COPIES, self.gather * self.block_padded)  # reshard
+                rs_input = self._reduce_scatter(self.block_numel, self.block_padded, fsdp_grad, rs_input,
+                                                last, where + " reduce-scatter")
+
+        # Embedding: a dense V x D gradient. Tied, autograd adds it to the output projection's (waiting
+        # in the engine's input buffer) out of place: old, new and sum are alive together for a moment.
+        where = "backward: embedding"
+        emb = (FP32 if not w.sharded else fsdp_grad) * v * d
+        if a.tie_embeddings:
+            live.spike(TEMPORARIES, 2 * emb, where)
+        else:
+            self._weight_grad(v * d, where)
+        if w.sharded:
+            live.free(WEIGHT_COPIES, self.gather * self.root_padded)  # root reshards after backward
+            rs_input = self._reduce_scatter(self.root_numel, self.root_padded, fsdp_grad, rs_input, last,
+                                            "backward: reduce-scatter of the root group")
+            live.free(TEMPORARIES, rs_input)
+
+    def _prefetch(self, nbytes: float, moment: str) -> None:
+        """FSDP's backward prefetch: the next block's all-gather output waits for its copy-out."""
+        self.live.add(TEMPORARIES, nbytes, moment)
+        if self.gloo_copies:
+            self.live.spike(TEMPORARIES, nbytes, moment)
+
+    def _weight_grad(self, numel: float, moment: str) -> None:
+        """A group's weight gradients appear: float32 gradients (DDP, one process), FSDP's unsharded
+        ones (gathered dtype) until the reduce-scatter, or onto accumulated float32 ones."""
+        if not self.w.sharded:
+            if self.live.now[GRADIENTS] < self.grads:  # the first micro-batch allocates them
+                self.live.add(GRADIENTS, FP32 * numel, moment)
+            return
+        self.live.add(TEMPORARIES, self.gather * numel, moment)
+
+    def _reduce_scatter(self, numel: float, padded: float, grad_bytes: int, previous_input: float, last: bool,
+                        moment: str) -> float:
+        """FSDP post-backward of one group; returns the reduce-scatter input it leaves alive."""
+        live, n = self.live, self.w.world_size
+        if not last:  # no gradient sync: keep the unsharded gradients, upcast to float32
+            live.free(TEMPORARIES, grad_bytes * numel)
+            live.add(GRADIENTS, FP32 * numel, moment)
+            return previous_input
+        live.free(TEMPORARIES, previous_input)
+        rs_input = FP32 * padded
+        live.add(TEMPORARIES, rs_input, moment)
+        if self.w.accumulation > 1:  # the accumulated float32 gradients are copied in, then dropped
+            live.free(GRADIENTS, FP32 * numel)
+        live.free(TEMPORARIES, grad_bytes * numel)
+        live.add(GRADIENTS, FP32 * padded / n, moment)  # this rank's shard, views of the output
+        if self.gloo_copies:
+            live.spike(TEMPORARIES, rs_input, moment)
+        return rs_input
+
+    def _optimizer_step(self) -> None:
+        """Gradients (all of them now) and AdamW's scratch: on GPUs the foreach implementation takes
+        sqrt(exp_avg_sq) of a whole parameter group at once; on CPU one parameter at a time, where
+        `exp_avg_sq.sqrt() / c` holds two tensors of the largest parameter."""
+        w, live = self.w, self.live
+        n = w.world_size if w.sharded else 1
+        shapes = param_shapes(w.args)
+        local = lambda s: math.ceil(s[0] / n) * math.prod(s[1:])  # noqa: E731
+        every = shapes["root"] + w.args.n_layers * shapes["block"]
+        if w.device_kind == "gpu":
+            decayed = sum(local(s) for s in every if len(s) >= 2)
+            scratch = FP32 * max(decayed, sum(local(s) for s in every if len(s) < 2))
+        else:
+            scratch = 2 * FP32 * max(local(s) for s in every)
+        live.spike(TEMPORARIES, scratch, "optimizer step")
