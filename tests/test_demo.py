@@ -4,7 +4,7 @@ import json
 import re
 
 import pytest
-from helpers import phalanx
+from tests.helpers import phalanx
 
 
 @pytest.mark.slow

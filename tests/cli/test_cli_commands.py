@@ -3,7 +3,7 @@
 import json
 
 import yaml
-from helpers import phalanx
+from tests.helpers import phalanx
 
 
 def test_config_show_yaml_and_json(tmp_path):

@@ -1,7 +1,7 @@
 """Bad input: one clear line on stderr, exit code 2, no traceback (unless --debug)."""
 
 import pytest
-from helpers import phalanx, train_json
+from tests.helpers import phalanx, train_json
 
 
 def fails(*args: str) -> str:

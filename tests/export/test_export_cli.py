@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from helpers import phalanx
+from tests.helpers import phalanx
 
 
 def refused(*args: str) -> str:

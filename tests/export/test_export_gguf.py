@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import TINY
-from helpers import phalanx, train_json
+from tests.conftest import TINY
+from tests.helpers import phalanx, train_json
 
 from phalanx.export.gguf_export import PRE_TOKENIZER, PRE_TOKENIZER_REGEX, interleave_rotary_rows, write_gguf
 from phalanx.models.llama import Transformer, apply_rope, rope_tables

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
-from helpers import phalanx, train_json
+from tests.conftest import TINY
+from tests.helpers import phalanx, train_json
 from safetensors import safe_open
 
 from phalanx.data.tokenizer import BOS, EOS, special_ids

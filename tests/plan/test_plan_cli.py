@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers import phalanx
+from tests.helpers import phalanx
 
 from phalanx.plan.devices import device_names
 

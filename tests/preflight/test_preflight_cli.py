@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from helpers import phalanx
+from tests.helpers import phalanx
 
 from phalanx.observe.store import RunStore
 from phalanx.preflight.timing import SLOW_FACTOR_ENV, SLOW_RANK_ENV

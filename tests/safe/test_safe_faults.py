@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import losses_by_step, phalanx, train_json
+from tests.helpers import losses_by_step, phalanx, train_json
 
 from phalanx.safe.events import read_events
 
@@ -23,7 +23,7 @@ def named(args, name):
 
 @pytest.fixture(scope="module")
 def clean(corpus, runs_root):
-    from conftest import TINY
+    from tests.conftest import TINY
 
     args = TINY + [f"data.sources=[{corpus}]", f"run.dir={runs_root}", "run.name=drill-clean"]
     summary = train_json(*args, *DRILL)
@@ -98,7 +98,7 @@ def test_nan_loss_with_skip_policy_skips_the_update(clean):
     losses = losses_by_step(summary["run_dir"])
     assert {s: losses[s] for s in range(1, 33)} == {s: clean_losses[s] for s in range(1, 33)}
     assert losses[34] != clean_losses[34]  # one update fewer from here on
-    from helpers import read_metrics
+    from tests.helpers import read_metrics
 
     skipped = [m for m in read_metrics(summary["run_dir"]) if m.get("skipped")]
     assert [(m["step"], m["loss"]) for m in skipped] == [(33, None)]  # NaN is written as JSON null

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY
-from helpers import losses_by_step
+from tests.conftest import TINY
+from tests.helpers import losses_by_step
 
 from phalanx.safe.events import read_events
 
@@ -79,7 +79,7 @@ def test_losing_a_node_continues_on_the_survivor(corpus, runs_root):
     assert len(resumed) == 1 and 20 <= resumed[0] < 60 and resumed[0] % 10 == 0
     # One rank now takes the whole global batch (two micro-batches): the same data, so the same losses
     # up to float reduction order, compared with an uninterrupted two-rank run.
-    from helpers import train_json
+    from tests.helpers import train_json
 
     clean = train_json(*[a.replace("drill-node-loss", "drill-node-loss-clean") for a in args], "--nproc", "2")
     expected, got = losses_by_step(clean["run_dir"]), losses_by_step(summary["run_dir"])

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import train_json
+from tests.helpers import train_json
 from serve_helpers import API_KEY, MODEL, SERVE_RUN, LiveServer, wait_healthy
 
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 from serve_helpers import MODEL, InProcessServer
-from helpers import phalanx
+from tests.helpers import phalanx
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "options": {"num_predict": 3}}
 OAI_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}

@@ -2,7 +2,7 @@
 
 import json
 
-from helpers import losses_by_step, phalanx, read_metrics, train_json
+from tests.helpers import losses_by_step, phalanx, read_metrics, train_json
 
 from phalanx.train.checkpoint import latest_checkpoint, list_checkpoints
 
