@@ -122,7 +122,7 @@ DEVICE_GAUGES = (
     ("phalanx_device_memory_total_bytes", "Accelerator memory", "memory_total_bytes"),
     ("phalanx_device_temperature_celsius", "Accelerator temperature", "temperature_c"),
     ("phalanx_device_power_watts", "Accelerator power draw", "power_w"),
-    ("phalanx_device_ecc_uncorrected_errors", "Uncorrected ECC errors the driver reports", "ecc_uncorrected"),
+    ("phalanx_device_ecc_uncorrectable_errors", "Uncorrectable ECC errors the driver reports", "ecc_uncorrectable"),
 )
 
 

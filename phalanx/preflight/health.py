@@ -1,5 +1,6 @@
-"""Hardware health of a node's GPUs from the vendor library: temperature, power and power cap, ECC
-error counts, retired (or remapped) memory pages.
+"""Hardware health of a node's GPUs from the vendor library: utilisation, memory, temperature, power and
+power cap, ECC error counts, retired (or remapped) memory pages. Read by the preflight and by the node
+agent's live telemetry.
 
 Both libraries are optional and imported only here, lazily: `amdsmi` (ships with ROCm) on AMD,
 `pynvml` from nvidia-ml-py (`pip install phalanx[nvidia]`) on NVIDIA. Anything may go wrong in them
@@ -13,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-FIELDS = ("temperature_c", "power_w", "power_cap_fraction", "ecc_correctable", "ecc_uncorrectable",
+FIELDS = ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",
+          "power_cap_fraction", "ecc_correctable", "ecc_uncorrectable",
           "retired_pages", "row_remap_pending", "row_remap_failed")
 
 
@@ -61,8 +63,13 @@ def _nvidia_device(nv: Any, h: Any) -> dict[str, Any]:
               nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
     retired = [_try(nv.nvmlDeviceGetRetiredPages, h, cause) for cause in causes]
     remap = _try(nv.nvmlDeviceGetRemappedRows, h)
+    memory = _try(nv.nvmlDeviceGetMemoryInfo, h)
+    utilization = _try(nv.nvmlDeviceGetUtilizationRates, h)
     return {
         "name": _text(_try(nv.nvmlDeviceGetName, h)),
+        "utilization_ratio": _ratio(getattr(utilization, "gpu", None), 100),
+        "memory_used_bytes": _number(getattr(memory, "used", None)),
+        "memory_total_bytes": _number(getattr(memory, "total", None)),
         "temperature_c": _number(_try(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)),
         "power_w": power / 1000 if _number(power) is not None else None,
         "power_cap_fraction": _ratio(limit, default),
@@ -94,8 +101,13 @@ def _amd_device(amdsmi: Any, h: Any) -> dict[str, Any]:
     ecc = _try(amdsmi.amdsmi_get_gpu_total_ecc_count, h) or {}
     bad_pages = _try(amdsmi.amdsmi_get_gpu_bad_page_info, h)
     cap = _try(amdsmi.amdsmi_get_power_cap_info, h) or {}
+    vram = getattr(getattr(amdsmi, "AmdSmiMemoryType", None), "VRAM", None)
+    activity = _try(amdsmi.amdsmi_get_gpu_activity, h) or {}
     return {
         "name": (_try(amdsmi.amdsmi_get_gpu_asic_info, h) or {}).get("market_name"),
+        "utilization_ratio": _ratio(activity.get("gfx_activity"), 100),
+        "memory_used_bytes": _number(_try(amdsmi.amdsmi_get_gpu_memory_usage, h, vram)),
+        "memory_total_bytes": _number(_try(amdsmi.amdsmi_get_gpu_memory_total, h, vram)),
         "temperature_c": _amd_temperature(amdsmi, h),
         "power_w": _amd_power(_try(amdsmi.amdsmi_get_power_info, h) or {}),
         "power_cap_fraction": _ratio(cap.get("power_cap"), cap.get("default_power_cap", cap.get("power_cap_default"))),

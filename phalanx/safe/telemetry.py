@@ -1,11 +1,10 @@
 """Live hardware telemetry from the node agent: each accelerator and the host, every few seconds.
 
-Devices are read through the vendor libraries where present: `pynvml` (nvidia-ml-py) on NVIDIA,
-`amdsmi` on AMD, both optional and imported lazily (amdsmi raises KeyError, not ImportError, where ROCm
-is absent, so every probe is guarded with `except Exception`). Without them devices are not sampled:
-torch could read their memory, but only by opening a GPU context in the agent on every device. The host (CPU, RAM, disk at the run directory) comes from psutil. Samples go to
-RUN_DIR/telemetry.jsonl and the node's /metrics; crossing an alert threshold is a `telemetry_alert`
-event, once per crossing.
+Accelerators are read as the preflight reads them (phalanx/preflight/health.py): through `pynvml`
+(nvidia-ml-py) on NVIDIA or `amdsmi` on AMD, both optional; without them devices are not sampled
+(torch could read their memory, but only by opening a GPU context in the agent). The host (CPU, RAM,
+disk at the run directory) comes from psutil. Samples go to RUN_DIR/telemetry.jsonl and the node's
+/metrics; crossing an alert threshold is one `telemetry_alert` event per crossing.
 """
 
 from __future__ import annotations
@@ -19,68 +18,38 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from rich.console import Console
 
 from phalanx.config.schema import ObserveSection
+from phalanx.preflight.health import read_health
 from phalanx.safe.events import EventSink
 from phalanx.train.metrics import json_safe
 
 TELEMETRY_FILE = "telemetry.jsonl"
+DEVICE_FIELDS = ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",
+                 "ecc_uncorrectable")
+# An alert re-arms only once its reading is back this far inside the limit (a fraction of the limit),
+# so a reading hovering at the limit (cached GPU memory near full) is one alert, not one per sample.
+REARM_MARGIN = 0.02
 
 
-class DeviceProbe:
-    """Per-accelerator readings through whichever vendor library works here (or none)."""
+def device_sample() -> list[dict[str, Any]]:
+    """This job's accelerators (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES respected) through the vendor
+    library, as the preflight reads them; none without one."""
+    import torch  # build metadata only: telling ROCm from CUDA opens no GPU context
 
-    def __init__(self) -> None:
-        self.kind, self._handles = "none", []
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-            self.kind = "nvml"
-            return
-        except Exception:
-            pass
-        try:
-            import amdsmi
-
-            amdsmi.amdsmi_init()
-            self._amd = amdsmi
-            self._handles = amdsmi.amdsmi_get_processor_handles()
-            self.kind = "amdsmi"
-        except Exception:
-            pass
-
-    def sample(self) -> list[dict[str, Any]]:
-        if self.kind == "nvml":
-            return [self._nvml_sample(i, h) for i, h in enumerate(self._handles)]
-        if self.kind == "amdsmi":
-            return [self._amd_sample(i, h) for i, h in enumerate(self._handles)]
-        return []
-
-    def _nvml_sample(self, index: int, handle: Any) -> dict[str, Any]:
-        nv, out = self._nvml, {"device": index}
-        out.update(_try(lambda: {"utilization_ratio": nv.nvmlDeviceGetUtilizationRates(handle).gpu / 100}))
-        out.update(_try(lambda: _memory(nv.nvmlDeviceGetMemoryInfo(handle).used,
-                                        nv.nvmlDeviceGetMemoryInfo(handle).total)))
-        out.update(_try(lambda: {"temperature_c": nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU)}))
-        out.update(_try(lambda: {"power_w": nv.nvmlDeviceGetPowerUsage(handle) / 1000}))
-        out.update(_try(lambda: {"ecc_uncorrected": nv.nvmlDeviceGetTotalEccErrors(
-            handle, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)}))
-        return out
-
-    def _amd_sample(self, index: int, handle: Any) -> dict[str, Any]:
-        amd, out = self._amd, {"device": index}
-        out.update(_try(lambda: {"utilization_ratio": amd.amdsmi_get_gpu_activity(handle)["gfx_activity"] / 100}))
-        out.update(_try(lambda: _memory(
-            amd.amdsmi_get_gpu_memory_usage(handle, amd.AmdSmiMemoryType.VRAM),
-            amd.amdsmi_get_gpu_memory_total(handle, amd.AmdSmiMemoryType.VRAM))))
-        out.update(_try(lambda: {"temperature_c": amd.amdsmi_get_temp_metric(
-            handle, amd.AmdSmiTemperatureType.HOTSPOT, amd.AmdSmiTemperatureMetric.CURRENT)}))
-        out.update(_try(lambda: {"power_w": amd.amdsmi_get_power_info(handle)["current_socket_power"]}))
-        out.update(_try(lambda: {"ecc_uncorrected": amd.amdsmi_get_gpu_total_ecc_count(handle)["uncorrectable_count"]}))
-        return out
+    health = read_health(gpu=True, rocm=torch.version.hip is not None)
+    visible = os.environ.get("HIP_VISIBLE_DEVICES" if torch.version.hip else "CUDA_VISIBLE_DEVICES")
+    devices = health["devices"]
+    if visible and all(part.strip().isdigit() for part in visible.split(",")):
+        wanted = {int(part) for part in visible.split(",")}
+        devices = [d for d in devices if d["index"] in wanted]
+    out = []
+    for d in devices:
+        used, total = d.get("memory_used_bytes"), d.get("memory_total_bytes")
+        out.append({"device": d["index"], **{k: d.get(k) for k in DEVICE_FIELDS},
+                    "memory_ratio": used / total if used is not None and total else None})
+    return out
 
 
 def host_sample(path: Path) -> dict[str, Any]:
@@ -95,7 +64,6 @@ class TelemetrySampler:
     def __init__(self, run_dir: Path, observe: ObserveSection, events: EventSink):
         self.run_dir, self.observe, self.events = Path(run_dir), observe, events
         self.node = socket.gethostname()
-        self.probe = DeviceProbe()
         self.latest: dict[str, Any] = {}
         self._alerting: set[str] = set()
         self._stop = threading.Event()
@@ -111,15 +79,21 @@ class TelemetrySampler:
         self._thread.join()
 
     def _loop(self) -> None:
+        warned = False
         while not self._stop.wait(self.observe.telemetry_interval_s):
-            self.sample()
+            try:
+                self.sample()
+            except Exception as exc:  # telemetry must never take the node agent down
+                if not warned:
+                    Console(stderr=True).print(f"[yellow]warning:[/] telemetry sample failed: {exc}")
+                    warned = True
 
     def sample(self) -> dict[str, Any]:
         record = {"time": time.time(), "node": self.node, "host": host_sample(self.run_dir),
-                  "devices": self.probe.sample()}
+                  "devices": device_sample()}
         self.latest = record
+        self._check_alerts(record)  # first: a full disk must still raise its alert
         _append_line(self.run_dir / TELEMETRY_FILE, json.dumps(json_safe(record)))
-        self._check_alerts(record)
         return record
 
     def _check_alerts(self, record: dict[str, Any]) -> None:
@@ -133,8 +107,8 @@ class TelemetrySampler:
                 readings.append(("device_temperature_c", d["device"], d["temperature_c"], o.alert_device_temp_c))
             if d.get("memory_ratio") is not None:
                 readings.append(("device_memory_ratio", d["device"], d["memory_ratio"], o.alert_device_memory_ratio))
-            if d.get("ecc_uncorrected"):
-                readings.append(("device_ecc_uncorrected", d["device"], d["ecc_uncorrected"], 0))
+            if d.get("ecc_uncorrectable"):
+                readings.append(("device_ecc_uncorrectable", d["device"], d["ecc_uncorrectable"], 0))
         for metric, device, value, limit in readings:
             key = f"{metric}:{device}"
             # Lower-is-worse readings (free disk) are negated above so that every check is `value > limit`.
@@ -142,7 +116,7 @@ class TelemetrySampler:
                 self._alerting.add(key)
                 self.events.emit("telemetry_alert", metric=metric, device=device, value=abs(value),
                                  threshold=abs(limit))
-            elif value <= limit:
+            elif value <= limit - REARM_MARGIN * abs(limit):
                 self._alerting.discard(key)
 
 
@@ -153,15 +127,3 @@ def _append_line(path: Path, line: str) -> None:
         os.write(fd, (line + "\n").encode())
     finally:
         os.close(fd)
-
-
-def _memory(used: float, total: float) -> dict[str, Any]:
-    return {"memory_used_bytes": used, "memory_total_bytes": total, "memory_ratio": used / total if total else None}
-
-
-def _try(read) -> dict[str, Any]:
-    """A reading the device or driver does not support is left out, never fatal."""
-    try:
-        return read()
-    except Exception:
-        return {}
