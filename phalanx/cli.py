@@ -89,9 +89,9 @@ def train(
     with run_lock(config.run_dir) if node_rank == 0 else contextlib.nullcontext():
         if node_rank == 0:
             start_timeline(config)
+        refuse_if_quarantined(config)  # before the data work: a quarantined node does nothing
         data = prepare_run(config, progress=not json_out)
         check_run(config, data)
-        refuse_if_quarantined(config)
         if config.safe.preflight != "off":
             preflight_before_training(config, spec, progress=not json_out)
         args = model_args(config.model, data.vocab_size, config.train.seq_len)

@@ -146,7 +146,7 @@ def model_args_from_hf_config(config: dict, where: Path) -> ModelArgs:
         unsupported.append(f"rope_type={rope.get('rope_type', rope.get('type'))}")
     try:
         dim, n_heads = config["hidden_size"], config["num_attention_heads"]
-        if config.get("head_dim", dim // n_heads) != dim // n_heads:
+        if (config.get("head_dim") or dim // n_heads) != dim // n_heads:  # null means the default
             unsupported.append(f"head_dim={config['head_dim']} (phalanx needs hidden_size / num_attention_heads)")
         if unsupported:
             raise PhalanxError(f"{where} uses Llama features phalanx does not support: {', '.join(unsupported)}")

@@ -25,7 +25,6 @@ from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from sqlalchemy.exc import SQLAlchemyError
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,7 +33,7 @@ from phalanx.observe import auth
 from phalanx.observe.figures import compare_figures, run_figures
 from phalanx.observe.pages import compare_data, run_page_data
 from phalanx.observe.prom import StoreCollector
-from phalanx.observe.store import RunStore, redact
+from phalanx.observe.store import RunStore, StoreError
 
 WEB = Path(__file__).parent / "web"
 MAX_COMPARE = 20
@@ -83,6 +82,8 @@ def create_app(store: RunStore, token: str | None = None) -> ASGIApp:
             return error(request, 400, f"run id must be a positive integer, not {run_id!r}")
         try:
             return store.run(int(run_id))
+        except StoreError:
+            raise  # answered 503 by the handler below
         except PhalanxError:
             return error(request, 404, f"no run with id {run_id} in the store")
 
@@ -99,10 +100,10 @@ def create_app(store: RunStore, token: str | None = None) -> ASGIApp:
                 return found
         return run_ids
 
-    @app.exception_handler(SQLAlchemyError)
-    async def store_unavailable(request: Request, exc: SQLAlchemyError) -> Response:
+    @app.exception_handler(StoreError)
+    async def store_unavailable(request: Request, exc: StoreError) -> Response:
         # A database that went away (a PostgreSQL restart) is answered, and the next request retries.
-        return error(request, 503, f"run store {redact(store.url)} unavailable: {type(exc).__name__}")
+        return error(request, 503, str(exc))
 
     # -- pages ---------------------------------------------------------------------------------------
     @app.get("/", response_class=HTMLResponse)
@@ -157,8 +158,7 @@ def create_app(store: RunStore, token: str | None = None) -> ASGIApp:
 
     @app.get("/health")
     def health() -> Response:
-        with store.engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
+        store.schema_version()  # a StoreError if the store does not answer: 503
         return JSONResponse({"status": "ok"})
 
     # -- login (the only route that is not a GET) ----------------------------------------------------
@@ -227,7 +227,7 @@ class ObservedApp:
 
 
 def parse_id(text: str) -> int | None:
-    """A run id: a positive integer that fits the database's 64-bit column (not "²", not 10**30)."""
+    """A run id: a positive integer (not "²"); ones beyond the id column's range are simply not found."""
     if not (text.isascii() and text.isdigit()) or len(text) > 18 or int(text) == 0:
         return None
     return int(text)

@@ -4,7 +4,8 @@ The ranks only append JSON lines (metrics.jsonl from rank 0, ranks/rank_N.jsonl 
 events.jsonl), which costs them microseconds and never waits on a database. A thread in the node agent
 reads what is new every `sync_interval_s` and writes it to the store in one transaction together with
 how far it read each file, so every line lands exactly once, across restarts and later launches. A
-store that is briefly unreachable only delays the copy: nothing is lost, training never notices.
+store that is briefly unreachable only delays the copy (the lines wait in memory, /metrics and
+TensorBoard carry on): nothing is lost, training never notices.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
-from phalanx.observe.store import RunStore
+from phalanx.observe.store import RunStore, StoreError
 from phalanx.safe.events import EVENTS_FILE
 from phalanx.safe.goodput import account
 from phalanx.train.run_dir import RANKS_DIR
@@ -45,7 +46,8 @@ class RunFollower:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="phalanx-store-follower", daemon=True)
         self._goodput_at = 0.0
-        self._warned = False
+        self._pending: tuple[list[dict], list[dict], list[dict]] = ([], [], [])  # metrics, rank records, events
+        self._warned: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> "RunFollower":
@@ -65,33 +67,43 @@ class RunFollower:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
-            self.sync()
-            if time.time() - self._goodput_at >= GOODPUT_EVERY_S:
-                self.goodput()
+            try:
+                self.sync()
+                if time.time() - self._goodput_at >= GOODPUT_EVERY_S:
+                    self.goodput()
+            except Exception as exc:  # never let observing take the node agent down
+                self._warn(f"run follower: {type(exc).__name__}: {exc}")
 
     # -- one pass ----------------------------------------------------------------------------------
     def sync(self) -> None:
-        """Read every file's new complete lines and hand them on; on a store error keep them for next time."""
+        """Read every file's new complete lines, update /metrics and TensorBoard, and copy them to the
+        store; lines the store could not take yet wait in memory for the next pass."""
+        offsets, new = dict(self.offsets), {}
+        for rel in self._files():
+            try:
+                new[rel], offsets[rel] = _read_new_lines(self.run_dir / rel, self.offsets.get(rel, 0))
+            except OSError as exc:  # a file system hiccup (NFS): try that file again next pass
+                self._warn(f"cannot read {rel}: {exc}")
+        metrics, events = new.pop(METRICS_FILE, []), new.pop(EVENTS_FILE, [])
+        rank_records = [r for records in new.values() for r in records]
         with self._lock:
-            new, offsets = {}, dict(self.offsets)
-            for rel in self._files():
-                records, offsets[rel] = _read_new_lines(self.run_dir / rel, self.offsets.get(rel, 0))
-                new[rel] = records
-            metrics = new.pop(METRICS_FILE, [])
-            events = new.pop(EVENTS_FILE, [])
-            rank_records = [r for records in new.values() for r in records]
-            if offsets == self.offsets:
-                return
-            if self.store is not None:
-                try:
-                    self.store.ingest(self.run_id, metrics, rank_records, events, offsets)
-                except Exception as exc:  # the store is down or full: retry the same lines next pass
-                    self._warn(f"run store write failed, will retry: {exc}")
-                    return
             self.offsets = offsets
             self._update_state(metrics, rank_records, events)
-            if self.tensorboard is not None:
-                _write_tensorboard(self.tensorboard, metrics)
+            for pending, records in zip(self._pending, (metrics, rank_records, events)):
+                pending.extend(records)
+        if self.tensorboard is not None:
+            _write_tensorboard(self.tensorboard, metrics)
+        if self.store is None or not any(self._pending):
+            return
+        try:  # outside the lock: a slow database never holds up a /metrics scrape
+            self.store.ingest(self.run_id, *self._pending, offsets)
+        except StoreError as exc:
+            if exc.transient:  # down or locked: keep the lines for the next pass
+                self._warn(f"{exc}; will retry")
+                return
+            # The database refuses these lines and always will: skip them (the plain files keep them).
+            self._warn(f"{exc}; {sum(map(len, self._pending))} records not stored")
+        self._pending = ([], [], [])
 
     def _files(self) -> list[str]:
         ranks = sorted(p.relative_to(self.run_dir).as_posix() for p in (self.run_dir / RANKS_DIR).glob("rank_*.jsonl"))
@@ -122,12 +134,12 @@ class RunFollower:
                 return None
             report = account(self.launch_events, self.launch_metrics, self.wall_start, time.time())
             self.last["ettr"] = report["ettr"]
-            if self.store is not None:
-                try:
-                    self.store.set_goodput(self.run_id, report)
-                except Exception as exc:
-                    self._warn(f"run store write failed, will retry: {exc}")
-            return report
+        if self.store is not None:
+            try:
+                self.store.set_goodput(self.run_id, report)
+            except StoreError as exc:
+                self._warn(f"{exc}; goodput not stored")
+        return report
 
     def state(self) -> dict[str, Any]:
         """For the Prometheus collector."""
@@ -136,9 +148,9 @@ class RunFollower:
                     "counts": dict(self.counts)}
 
     def _warn(self, message: str) -> None:
-        if not self._warned:  # once: a store outage must not flood the training console
+        if message not in self._warned:  # once each: an outage must not flood the training console
             Console(stderr=True).print(f"[yellow]warning:[/] {message}")
-            self._warned = True
+            self._warned.add(message)
 
 
 def _read_new_lines(path: Path, position: int) -> tuple[list[dict], int]:

@@ -12,10 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from phalanx.config.schema import Config
 from phalanx.errors import PhalanxError, StoppedBySignal
 from phalanx.observe.follower import RunFollower
-from phalanx.observe.store import RunStore
+from phalanx.observe.store import RunStore, StoreError
 from phalanx.safe.events import JsonlEventSink
 from phalanx.safe.telemetry import TelemetrySampler
 
@@ -28,13 +30,20 @@ def open_store(config: Config) -> RunStore | None:
 
 @contextlib.contextmanager
 def observe_run(config: Config, node_rank: int, world_size: int, model: str, started: float) -> Iterator[None]:
-    """Around a launch. Node 0 follows the run directory (a shared file system holds every rank's
-    files there); other nodes add themselves to the run's node list."""
-    store = open_store(config)
-    run_id = None
-    if store is not None:
-        run_id = store.start_run(config.run.name, config.run_dir, json.loads(config.model_dump_json()), model,
-                                 world_size, config.train.max_steps, socket.gethostname())
+    """Around a launch. Node 0 registers the run and follows the run directory into the store (a shared
+    file system holds every rank's files there; the store learns the other nodes from their ranks'
+    records); every node samples its hardware and may serve its /metrics. The store is a convenience:
+    when it cannot be reached the run trains anyway, with a warning."""
+    store = run_id = None
+    if node_rank == 0:
+        try:
+            store = open_store(config)
+            if store is not None:
+                run_id = store.start_run(config.run.name, config.run_dir, json.loads(config.model_dump_json()),
+                                         model, world_size, config.train.max_steps, socket.gethostname())
+        except StoreError as exc:
+            _warn(f"{exc}; training without the run store")
+            store = None
     follower = telemetry = server = None
     status, error = "finished", None
     try:
@@ -43,9 +52,9 @@ def observe_run(config: Config, node_rank: int, world_size: int, model: str, sta
                                    config.observe.sync_interval_s, config.observe.tensorboard).start()
         if config.observe.telemetry_interval_s > 0:
             telemetry = TelemetrySampler(config.run_dir, config.observe, JsonlEventSink(config.run_dir)).start()
-        server = _start_metrics_server(config, follower, telemetry)
+        server = _start_metrics_server(config, node_rank, follower, telemetry)
         yield
-    except StoppedBySignal:
+    except (StoppedBySignal, KeyboardInterrupt):
         status = "stopped"
         raise
     except BaseException as exc:
@@ -54,14 +63,21 @@ def observe_run(config: Config, node_rank: int, world_size: int, model: str, sta
     finally:
         if server is not None:
             server.shutdown()
+            server.server_close()
         if telemetry is not None:
             telemetry.stop()
         if follower is not None:
             follower.stop()
-        if store is not None and node_rank == 0:
-            store.finish_run(run_id, _final_status(config, status), error)
         if store is not None:
+            try:
+                store.finish_run(run_id, _final_status(config, status), error)
+            except StoreError as exc:
+                _warn(f"{exc}; the run's final status is not stored")
             store.close()
+
+
+def _warn(message: str) -> None:
+    Console(stderr=True).print(f"[yellow]warning:[/] {message}")
 
 
 def _final_status(config: Config, status: str) -> str:
@@ -72,7 +88,8 @@ def _final_status(config: Config, status: str) -> str:
     return status
 
 
-def _start_metrics_server(config: Config, follower: RunFollower | None, telemetry: TelemetrySampler | None) -> Any:
+def _start_metrics_server(config: Config, node_rank: int, follower: RunFollower | None,
+                          telemetry: TelemetrySampler | None) -> Any:
     """The node's /metrics: the run's progress (node 0, which follows the run) and this node's hardware."""
     port = config.observe.metrics_port
     if port is None:
@@ -91,25 +108,34 @@ def _start_metrics_server(config: Config, follower: RunFollower | None, telemetr
     except OSError as exc:
         raise PhalanxError(f"cannot serve /metrics on {config.observe.metrics_host}:{port}: {exc.strerror}") from None
     bound = server.server_address[1]
-    # The port the agent bound (observe.metrics_port=0 picks a free one), for people and tests to find.
-    (config.run_dir / "metrics_port").write_text(f"{bound}\n")
+    # The port the agent bound (observe.metrics_port=0 picks a free one), for people and tests to find;
+    # one file per node, as nodes may share the run directory.
+    name = "metrics_port" if node_rank == 0 else f"metrics_port.{socket.gethostname()}"
+    (config.run_dir / name).write_text(f"{bound}\n")
     return server
 
 
 def sync_run_dir(store: RunStore, run_dir: Path) -> int:
-    """Copy a run directory's files into the store once (runs trained with the store off, or elsewhere)."""
+    """Copy a finished (or stopped) run directory's files into the store: runs trained with the store
+    off, or elsewhere. A run already in the store is left alone; a run still training is refused."""
     from phalanx.config.loader import load_config
+    from phalanx.train.run_dir import run_lock
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise PhalanxError(f"{run_dir} is not a run directory (it has no config.yaml)")
-    config = load_config(str(run_dir / "config.yaml"), [])
-    run_id = store.start_run(run_dir.name, run_dir, json.loads(config.model_dump_json()), config.model.preset,
-                             None, config.train.max_steps, socket.gethostname())
-    RunFollower(run_dir, run_dir.name, time.time(), store, run_id).sync()
-    summary_file = run_dir / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
-    if "goodput" in summary:  # `phalanx train` adds the launch's goodput report to the summary
-        store.set_goodput(run_id, {k: summary.get(k) for k in ("restarts", "faults", "stragglers", "goodput", "ettr")})
-    store.finish_run(run_id, "finished" if summary and not summary.get("halted") else "stopped")
+    known = store.run_id_for_dir(run_dir)
+    if known is not None:
+        raise PhalanxError(f"{run_dir} is already in the store as run {known}")
+    with run_lock(run_dir):  # a run still training is refused: its own node agent is copying it
+        config = load_config(str(run_dir / "config.yaml"), [])
+        run_id = store.start_run(run_dir.name, run_dir, json.loads(config.model_dump_json()), config.model.preset,
+                                 None, config.train.max_steps, socket.gethostname())
+        RunFollower(run_dir, run_dir.name, time.time(), store, run_id).sync()
+        summary_file = run_dir / "summary.json"
+        summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+        if "goodput" in summary:  # `phalanx train` adds the launch's goodput report to the summary
+            store.set_goodput(run_id, {k: summary.get(k) for k in ("restarts", "faults", "stragglers", "goodput",
+                                                                    "ettr")})
+        store.finish_run(run_id, "finished" if summary and not summary.get("halted") else "stopped")
     return run_id

@@ -19,12 +19,25 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from alembic.util.exc import CommandError
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
 
 from phalanx.errors import PhalanxError
 from phalanx.observe import tables as t
 
 STORE_FILE = "phalanx.db"
+MAX_RUN_ID = 2**31 - 1  # runs.id is a 32-bit integer column
+
+
+class StoreError(PhalanxError):
+    """The run store could not be reached or refused a write: exit code 7. `transient` errors (a lost
+    connection, a locked or restarting database) may succeed if retried; the others will not."""
+
+    exit_code = 7
+
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
 MIGRATIONS = Path(__file__).parent / "migrations"
 STEP_FIELDS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "achieved_tflops", "peak_mem_gib",
                "step_seconds", "compute_seconds", "eval_seconds")
@@ -63,16 +76,15 @@ class RunStore:
             path.parent.mkdir(parents=True, exist_ok=True)
         elif parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3, the driver we install
+        # A store that does not answer must not hold a node agent for minutes: give up after 10 s.
+        connect_args = {"connect_timeout": 10} if parsed.get_backend_name() == "postgresql" else {}
         try:
-            self.engine = sa.create_engine(parsed, pool_pre_ping=True)
+            self.engine = sa.create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
         except (ImportError, SQLAlchemyError) as exc:
             raise PhalanxError(f"cannot use store {redact(url)}: {exc}") from None
         if self.engine.dialect.name == "sqlite":
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
-        try:
-            self._migrate()
-        except OperationalError as exc:
-            raise PhalanxError(f"cannot open run store {redact(url)}: {exc.orig}") from None
+        self._migrate()
 
     @classmethod
     def open(cls, spec: str | None, runs_root: Path, create: bool = True) -> "RunStore":
@@ -89,11 +101,36 @@ class RunStore:
         config.set_main_option("script_location", str(MIGRATIONS))
         # Several node agents may open a new store at the same moment: one migrates, the others wait
         # and then find it done (without the lock, one fails with "table already exists").
-        with self._migration_lock(), self.engine.begin() as conn:
+        with self._migration_lock(), self._begin() as conn:
             if conn.dialect.name == "postgresql":
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(7411062)"))  # held until commit
             config.attributes["connection"] = conn
-            command.upgrade(config, "head")
+            try:
+                command.upgrade(config, "head")
+            except CommandError as exc:  # e.g. a store migrated by a newer phalanx
+                raise StoreError(f"cannot migrate run store {redact(self.url)}: {exc} (is this phalanx older "
+                                 "than the one that created it?)", transient=False) from None
+
+    @contextlib.contextmanager
+    def _begin(self) -> Iterator[sa.Connection]:
+        """A transaction whose database errors come out as one StoreError line."""
+        with self._translate(), self.engine.begin() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[sa.Connection]:
+        with self._translate(), self.engine.connect() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def _translate(self) -> Iterator[None]:
+        try:
+            yield
+        except (OperationalError, InterfaceError, DisconnectionError) as exc:
+            raise StoreError(f"run store {redact(self.url)} unavailable: {_reason(exc)}", transient=True) from None
+        except SQLAlchemyError as exc:
+            raise StoreError(f"run store {redact(self.url)} refused the request: {_reason(exc)}",
+                             transient=False) from None
 
     @contextlib.contextmanager
     def _migration_lock(self) -> Iterator[None]:
@@ -109,7 +146,7 @@ class RunStore:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def schema_version(self) -> str | None:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
 
     # -- writing (node agents) ---------------------------------------------------------------------
@@ -117,35 +154,30 @@ class RunStore:
                   max_steps: int, node: str) -> int:
         """Register a launch of the run in `run_dir` (a new run or a relaunch) as running; its id."""
         now, run_dir = time.time(), str(Path(run_dir).resolve())
-        values = dict(name=name, status="running", model=model, world_size=world_size, config=json.dumps(config),
-                      max_steps=max_steps, updated_at=now, ended_at=None, error=None)
-        with self.engine.begin() as conn:
-            run_id = conn.execute(sa.select(t.runs.c.id).where(t.runs.c.dir == run_dir)).scalar()
-            if run_id is None:
-                try:
-                    run_id = conn.execute(t.runs.insert().values(dir=run_dir, started_at=now, restarts=0, **values)
-                                          ).inserted_primary_key[0]
-                except IntegrityError:  # another node registered it at the same moment
-                    run_id = None
-            else:
-                conn.execute(t.runs.update().where(t.runs.c.id == run_id).values(**values))
-        if run_id is None:
-            return self.start_run(name, Path(run_dir), config, model, world_size, max_steps, node)
+        values = dict(name=_clip(name, 200), status="running", model=_clip(model, 200), world_size=world_size,
+                      config=json.dumps(config), max_steps=max_steps, updated_at=now, ended_at=None, error=None)
+        for _ in range(2):  # a second try if another writer inserted the same directory in between
+            try:
+                with self._begin() as conn:
+                    run_id = conn.execute(sa.select(t.runs.c.id).where(t.runs.c.dir == run_dir)).scalar()
+                    if run_id is None:
+                        run_id = conn.execute(t.runs.insert().values(dir=run_dir, started_at=now, restarts=0,
+                                                                     **values)).inserted_primary_key[0]
+                    else:
+                        conn.execute(t.runs.update().where(t.runs.c.id == run_id).values(**values))
+                break
+            except StoreError as exc:
+                if exc.transient or "unique" not in str(exc).lower():
+                    raise
         self.add_node(run_id, node)
         return run_id
 
     def add_node(self, run_id: int, node: str) -> None:
-        try:
-            with self.engine.begin() as conn:
-                exists = conn.execute(sa.select(t.run_nodes.c.node).where(
-                    t.run_nodes.c.run_id == run_id, t.run_nodes.c.node == node)).first()
-                if not exists:
-                    conn.execute(t.run_nodes.insert().values(run_id=run_id, node=node, joined_at=time.time()))
-        except IntegrityError:
-            pass  # added by another writer in between: the row is there either way
+        with self._begin() as conn:
+            _add_nodes(conn, run_id, [node])
 
     def offsets(self, run_id: int) -> dict[str, int]:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             rows = conn.execute(sa.select(t.ingest_offsets.c.path, t.ingest_offsets.c.position)
                                 .where(t.ingest_offsets.c.run_id == run_id))
             return {path: position for path, position in rows}
@@ -154,19 +186,21 @@ class RunStore:
                offsets: dict[str, int]) -> None:
         """One transaction: new step metrics, per-rank timings and events, and how far each file was read."""
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             if metrics:
                 conn.execute(t.steps.insert(), [_step_row(run_id, m) for m in metrics])
             if rank_records:
                 conn.execute(t.rank_steps.insert(), [
-                    {"run_id": run_id, "step": r["step"], "rank": r["rank"], "node": r.get("node"),
+                    {"run_id": run_id, "step": r["step"], "rank": r["rank"], "node": _clip(r.get("node"), 200),
                      "time": r.get("time", now), **{k: _num(r.get(k)) for k in
                                                      ("step_seconds", "compute_seconds", "data_seconds")}}
                     for r in rank_records])
+                # The nodes that ran ranks: known from the ranks' own records, so only one writer is needed.
+                _add_nodes(conn, run_id, sorted({r["node"] for r in rank_records if r.get("node")}))
             if events:
                 conn.execute(t.events.insert(), [
-                    {"run_id": run_id, "time": e.get("time", now), "node": e.get("node"), "rank": e.get("rank"),
-                     "kind": e["kind"],
+                    {"run_id": run_id, "time": e.get("time", now), "node": _clip(e.get("node"), 200),
+                     "rank": e.get("rank"), "kind": _clip(e["kind"], 60),
                      "details": json.dumps({k: v for k, v in e.items() if k not in ("time", "node", "rank", "kind")})}
                     for e in events])
             for path, position in offsets.items():
@@ -175,54 +209,57 @@ class RunStore:
                 if updated.rowcount == 0:
                     conn.execute(t.ingest_offsets.insert().values(run_id=run_id, path=path, position=position))
             summary = _run_summary(metrics, events)
+            if any(e["kind"] == "restart" for e in events):
+                # Every node's agent logs each restart of the job: count the node that logged most.
+                per_node = sa.select(sa.func.count().label("n")).where(
+                    t.events.c.run_id == run_id, t.events.c.kind == "restart").group_by(t.events.c.node).subquery()
+                summary["restarts"] = conn.execute(sa.select(sa.func.max(per_node.c.n))).scalar() or 0
             if summary or metrics or events:
                 conn.execute(t.runs.update().where(t.runs.c.id == run_id).values(updated_at=now, **summary))
-            restarts = sum(e["kind"] == "restart" for e in events)
-            if restarts:
-                conn.execute(t.runs.update().where(t.runs.c.id == run_id)
-                             .values(restarts=t.runs.c.restarts + restarts))
 
     def finish_run(self, run_id: int, status: str, error: str | None = None) -> None:
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(t.runs.update().where(t.runs.c.id == run_id)
                          .values(status=status, error=error, ended_at=now, updated_at=now))
 
     def set_goodput(self, run_id: int, report: dict[str, Any]) -> None:
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(t.goodput.delete().where(t.goodput.c.run_id == run_id))
             conn.execute(t.goodput.insert().values(run_id=run_id, updated_at=now, report=json.dumps(report)))
             conn.execute(t.runs.update().where(t.runs.c.id == run_id).values(ettr=report.get("ettr")))
 
     def add_preflight(self, node: str, passed: bool, results: dict[str, Any], run_id: int | None = None) -> None:
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(t.preflight.insert().values(run_id=run_id, node=node, time=time.time(), passed=int(passed),
                                                      results=json.dumps(results)))
 
     def quarantine_node(self, node: str, reason: str, run: str | None = None) -> None:
         """Keep `node` out of later launches on this store (a newer reason replaces an older one)."""
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(t.quarantine.delete().where(t.quarantine.c.node == node))
             conn.execute(t.quarantine.insert().values(node=node, reason=reason, since=time.time(), run=run))
 
     def clear_quarantine(self, node: str) -> bool:
         """Let `node` join launches again; False if it was not quarantined."""
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             return conn.execute(t.quarantine.delete().where(t.quarantine.c.node == node)).rowcount > 0
 
     def quarantined(self) -> list[dict[str, Any]]:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return [dict(r) for r in conn.execute(sa.select(t.quarantine).order_by(t.quarantine.c.since)).mappings()]
 
     # -- reading (dashboard, `phalanx runs`) ---------------------------------------------------------
     def list_runs(self) -> list[dict[str, Any]]:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             rows = conn.execute(sa.select(t.runs).order_by(t.runs.c.started_at.desc())).mappings().all()
             return [_run_dict(row) for row in rows]
 
     def run(self, run_id: int) -> dict[str, Any]:
-        with self.engine.connect() as conn:
+        if not 0 < run_id <= MAX_RUN_ID:
+            raise PhalanxError(f"no run with id {run_id} in the store")
+        with self._connect() as conn:
             row = conn.execute(sa.select(t.runs).where(t.runs.c.id == run_id)).mappings().first()
             if row is None:
                 raise PhalanxError(f"no run with id {run_id} in the store")
@@ -232,12 +269,16 @@ class RunStore:
                                              .order_by(t.run_nodes.c.joined_at)).scalars())
             return run
 
+    def run_id_for_dir(self, run_dir: Path) -> int | None:
+        with self._connect() as conn:
+            return conn.execute(sa.select(t.runs.c.id).where(t.runs.c.dir == str(Path(run_dir).resolve()))).scalar()
+
     def find_run(self, name_or_id: str) -> dict[str, Any]:
         """A run by name (the newest of that name) or by numeric id."""
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             query = sa.select(t.runs.c.id).order_by(t.runs.c.started_at.desc())
             run_id = conn.execute(query.where(t.runs.c.name == name_or_id)).scalar()
-            if run_id is None and name_or_id.isdigit():
+            if run_id is None and name_or_id.isdigit() and int(name_or_id) <= MAX_RUN_ID:
                 run_id = conn.execute(query.where(t.runs.c.id == int(name_or_id))).scalar()
             if run_id is None:
                 names = conn.execute(sa.select(t.runs.c.name).distinct()).scalars().all()
@@ -250,7 +291,7 @@ class RunStore:
         samples long runs), read through the (run_id, step) index so a long run answers as fast as a short one."""
         c = t.steps.c
         fields = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "peak_mem_gib", "step_seconds")
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             last = conn.execute(sa.select(sa.func.max(c.step)).where(c.run_id == run_id)).scalar() or 0
             where = [c.run_id == run_id, c.loss.is_not(None)]
             sample = _sample_steps(last, max_points, per_bin=1)
@@ -272,7 +313,7 @@ class RunStore:
         """Each rank's own compute time per step, or past max_bins per bin of steps (the mean of a few
         evenly spaced steps in it): the straggler heatmap, rows ranks, columns the bins' last steps."""
         c = t.rank_steps.c
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             last = conn.execute(sa.select(sa.func.max(c.step)).where(c.run_id == run_id)).scalar() or 0
             where = [c.run_id == run_id]
             sample = _sample_steps(last, max_bins, per_bin=samples_per_bin)
@@ -291,14 +332,14 @@ class RunStore:
         return {"steps": steps, "ranks": ranks, "compute_seconds": z, "stride": stride}
 
     def events(self, run_id: int) -> list[dict[str, Any]]:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             rows = conn.execute(sa.select(t.events).where(t.events.c.run_id == run_id)
                                 .order_by(t.events.c.time, t.events.c.id)).mappings().all()
         return [{"time": r["time"], "node": r["node"], "rank": r["rank"], "kind": r["kind"],
                  **json.loads(r["details"] or "{}")} for r in rows]
 
     def goodput(self, run_id: int) -> dict[str, Any] | None:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             report = conn.execute(sa.select(t.goodput.c.report).where(t.goodput.c.run_id == run_id)).scalar()
         return json.loads(report) if report else None
 
@@ -306,7 +347,7 @@ class RunStore:
         query = sa.select(t.preflight).order_by(t.preflight.c.time)
         if run_id is not None:
             query = query.where(t.preflight.c.run_id == run_id)
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return [{**dict(r), "passed": bool(r["passed"]), "results": json.loads(r["results"])}
                     for r in conn.execute(query).mappings()]
 
@@ -330,13 +371,30 @@ def _sample_steps(last: int, bins: int, per_bin: int) -> list[int] | None:
                    for offset in range(gap, stride + 1, gap)[:per_bin]})
 
 
+def _add_nodes(conn: sa.Connection, run_id: int, nodes: list[str]) -> None:
+    known = set(conn.execute(sa.select(t.run_nodes.c.node).where(t.run_nodes.c.run_id == run_id)).scalars())
+    for node in nodes:
+        if node not in known:
+            conn.execute(t.run_nodes.insert().values(run_id=run_id, node=_clip(node, 200), joined_at=time.time()))
+
+
+def _clip(value: Any, length: int) -> Any:
+    """Strings longer than their column (PostgreSQL refuses them; SQLite would not notice) are cut."""
+    return value[:length] if isinstance(value, str) else value
+
+
+def _reason(exc: SQLAlchemyError) -> str:
+    """The driver's own message, first line only."""
+    return (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def _step_row(run_id: int, m: dict[str, Any]) -> dict[str, Any]:
     return {"run_id": run_id, "step": m["step"], "time": m.get("time", time.time()),
-            "skipped": m.get("skipped"), **{f: _num(m.get(f)) for f in STEP_FIELDS}}
+            "skipped": _clip(m.get("skipped"), 40), **{f: _num(m.get(f)) for f in STEP_FIELDS}}
 
 
 def _run_summary(metrics: list[dict], events: list[dict]) -> dict[str, Any]:

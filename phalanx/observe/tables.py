@@ -7,7 +7,7 @@ are JSON text so SQLite and PostgreSQL store them the same way.
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text
+from sqlalchemy import BigInteger, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text
 
 metadata = MetaData()
 
@@ -117,7 +117,7 @@ ingest_offsets = Table(
     "ingest_offsets", metadata,
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("path", String(300), primary_key=True),
-    Column("position", Integer, nullable=False),
+    Column("position", BigInteger, nullable=False),
 )
 
 # Nodes that failed a preflight check; launches on this store refuse them until `phalanx preflight --clear`.

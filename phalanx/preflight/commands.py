@@ -61,7 +61,7 @@ def _preflight(config: Any, nproc: int | None, nnodes: str, node_rank: int, rdzv
     from phalanx.preflight.thresholds import parse_overrides
     from phalanx.preflight.timing import DEFAULT_SLOW_FACTOR, SlowRank
 
-    limits = parse_overrides(threshold)
+    limits = parse_overrides([f"{k}={v}" for k, v in config.safe.preflight_thresholds.items()] + list(threshold))
     slow = SlowRank.from_env()
     if inject_slow_rank is not None:
         slow = SlowRank(inject_slow_rank, slow_factor or (slow.factor if slow else DEFAULT_SLOW_FACTOR))

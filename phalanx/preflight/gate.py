@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+
+from rich.console import Console
 
 from phalanx.config.schema import Config
 from phalanx.launch.local import LaunchSpec
@@ -22,19 +26,26 @@ from phalanx.safe.events import JsonlEventSink
 
 def refuse_if_quarantined(config: Config) -> None:
     from phalanx.observe.observer import open_store
+    from phalanx.observe.store import StoreError
 
-    store = open_store(config)
-    if store is None:
-        return
+    host = socket.gethostname()
     try:
-        host = socket.gethostname()
-        for entry in store.quarantined():
-            if entry["node"] == host:
-                since = datetime.datetime.fromtimestamp(entry["since"]).strftime("%Y-%m-%d %H:%M")
-                raise PreflightFailedError(f"node {host} is quarantined since {since}: {entry['reason']}; "
-                                           f"once it is fixed, `phalanx preflight --clear {host}` lets it join")
-    finally:
-        store.close()
+        store = open_store(config)
+        if store is None:
+            return
+        try:
+            entries = store.quarantined()
+        finally:
+            store.close()
+    except StoreError as exc:
+        Console(stderr=True).print(f"[yellow]warning:[/] {exc}; the quarantine list was not checked")
+        return
+    for entry in entries:
+        # Two node agents on one host (drills) are quarantined as host#0, host#1: either keeps it out.
+        if entry["node"] == host or entry["node"].startswith(f"{host}#"):
+            since = datetime.datetime.fromtimestamp(entry["since"]).strftime("%Y-%m-%d %H:%M")
+            raise PreflightFailedError(f"node {entry['node']} is quarantined since {since}: {entry['reason']}; "
+                                       f"once it is fixed, `phalanx preflight --clear {entry['node']}` lets it join")
 
 
 def preflight_before_training(config: Config, spec: LaunchSpec, progress: bool) -> PreflightReport:
@@ -60,17 +71,34 @@ def node_preflight_before_restart(config: Config, nproc: int):
         events = JsonlEventSink(config.run_dir)
         command = [sys.executable, "-m", "phalanx", "preflight", str(config.run_dir / "config.yaml"),
                    "--nproc", str(nproc), "--json"] + (["--quick"] if config.safe.preflight == "quick" else [])
-        command += [f"--threshold={k}={v}" for k, v in config.safe.preflight_thresholds.items()]
-        proc = subprocess.run(command, capture_output=True, text=True)
-        report = _last_json(proc.stdout)
-        if proc.returncode == 0:
+        # Its own process group, so a timeout (a wedged GPU is what it looks for) stops its ranks too.
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+        try:
+            stdout, stderr = child.communicate(timeout=config.safe.startup_timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(child)
+            reason = f"the preflight did not finish within safe.startup_timeout_s={config.safe.startup_timeout_s:g} s"
+            events.emit("preflight_failed", before="restart", reason=reason)
+            raise PreflightFailedError(f"this node failed its preflight before a restart and leaves the job: "
+                                       f"{reason}") from None
+        except BaseException:  # SIGTERM to the agent: leave no orphaned ranks on the devices
+            _stop(child)
+            raise
+        report = _last_json(stdout)
+        if child.returncode == 0:
             events.emit("preflight_passed", before="restart", seconds=report.get("seconds"))
             return
         reason = "; ".join(f"{n}: {why}" for n, why in report.get("failed_nodes", {}).items()) or \
-            (proc.stderr.strip().splitlines() or ["the preflight did not complete"])[-1]
+            (stderr.strip().splitlines() or ["the preflight did not complete"])[-1]
         events.emit("preflight_failed", before="restart", reason=reason)
         raise PreflightFailedError(f"this node failed its preflight before a restart and leaves the job: {reason}")
     return check
+
+
+def _stop(child: subprocess.Popen) -> None:
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
 
 
 def _last_json(stdout: str) -> dict:

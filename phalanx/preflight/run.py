@@ -78,8 +78,15 @@ def own_node(report: PreflightReport, launcher: str) -> str:
 
 def _record(config: Config, report: PreflightReport, node: str, run_id: int | None) -> None:
     from phalanx.observe.observer import open_store
+    from phalanx.observe.store import StoreError
 
-    store = open_store(config)
+    try:
+        _write_record(open_store(config), config, report, node, run_id)
+    except StoreError as exc:
+        report.notes.append(f"not recorded in the run store: {exc}")
+
+
+def _write_record(store, config: Config, report: PreflightReport, node: str, run_id: int | None) -> None:
     if store is None:
         return
     try:

@@ -208,6 +208,10 @@ class Engine:
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
+            # Requests whose clients went away while waiting must not hold queue places for others.
+            for gone in [r for r in self._waiting if r.stream.cancelled]:
+                self._waiting.remove(gone)
+                self._finish_unstarted(gone, "cancelled")
             if len(self._active) + len(self._waiting) >= self.slots + self.max_queue:
                 raise QueueFull(f"all {self.slots} slots are busy and {len(self._waiting)} requests are waiting "
                                 f"(the most the queue holds); try again later")

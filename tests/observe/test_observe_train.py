@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx.observe.store import RunStore
@@ -113,20 +115,30 @@ def test_tensorboard_event_files_hold_the_curves(observed):
     assert [e.step for e in events.Scalars("val/loss")][-1] == STEPS
 
 
+def config_lr(observed) -> float:
+    return yaml.safe_load((observed["run_dir"] / "config.yaml").read_text())["train"]["lr"]
+
+
 def test_runs_commands_read_the_same_store(observed, tmp_path):
     root = str(observed["root"])
     listed = json.loads(phalanx("runs", "list", "--runs", root, "--json").stdout)
     assert [r["name"] for r in listed] == ["watched"]
     shown = json.loads(phalanx("runs", "show", "watched", "--runs", root, "--json").stdout)
     assert shown["restarts"] == 1 and any(e["kind"] == "restart" for e in shown["events"])
-    # Import the same directory into a second store under another name, then compare the two.
-    other = tmp_path / "other"
-    phalanx("runs", "import", str(observed["run_dir"]), "--runs", str(other))
-    imported = json.loads(phalanx("runs", "list", "--runs", str(other), "--json").stdout)
-    assert imported[0]["last_step"] == STEPS and imported[0]["status"] == "finished"
-    compared = json.loads(phalanx("runs", "compare", "watched", str(listed[0]["id"]), "--runs", root,
-                                  "--json").stdout)
-    assert len(compared["runs"]) == 2 and compared["config_differences"] == {}
+    # A copy of the run with another learning rate, imported into the same store, then compared.
+    copy = tmp_path / "watched-lr"
+    shutil.copytree(observed["run_dir"], copy, ignore=shutil.ignore_patterns(".lock"))
+    config = yaml.safe_load((copy / "config.yaml").read_text())
+    config["train"]["lr"] = 0.5
+    (copy / "config.yaml").write_text(yaml.safe_dump(config))
+    phalanx("runs", "import", str(copy), "--runs", root)
+    imported = json.loads(phalanx("runs", "show", "watched-lr", "--runs", root, "--json").stdout)
+    assert imported["last_step"] == STEPS and imported["status"] == "finished"
+    again = phalanx("runs", "import", str(copy), "--runs", root, check=False)
+    assert again.returncode == 2 and "already in the store" in again.stderr
+    compared = json.loads(phalanx("runs", "compare", "watched", "watched-lr", "--runs", root, "--json").stdout)
+    assert [r["name"] for r in compared["runs"]] == ["watched", "watched-lr"]
+    assert compared["config_differences"] == {"train.lr": [config_lr(observed), 0.5]}
     missing = phalanx("runs", "show", "nope", "--runs", root, check=False)
     assert missing.returncode == 2 and missing.stderr.startswith("error: no run named 'nope'")
     assert "Traceback" not in missing.stderr

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from phalanx.errors import PhalanxError
 from phalanx.observe import tables
 from phalanx.observe.follower import RunFollower
-from phalanx.observe.store import RunStore, store_url as make_store_url
+from phalanx.observe.store import RunStore, StoreError, store_url as make_store_url
 
 
 def test_migrated_schema_matches_the_table_definitions(store_url):
@@ -120,8 +120,9 @@ def test_bad_store_urls_and_names_are_one_line_errors(tmp_path):
         RunStore.open(None, tmp_path / "nowhere", create=False)
     with pytest.raises(PhalanxError, match="not a database URL"):
         RunStore("postgresql://:::")
-    with pytest.raises(PhalanxError, match="cannot open run store"):
+    with pytest.raises(StoreError, match="run store .* unavailable: .*refused") as down:
         RunStore("postgresql://nobody:secret@127.0.0.1:1/none")
+    assert down.value.transient and down.value.exit_code == 7
     store = RunStore(make_store_url(None, tmp_path))
     with pytest.raises(PhalanxError, match="no run named 'ghost'"):
         store.find_run("ghost")
@@ -137,7 +138,38 @@ def test_the_password_never_shows_in_errors():
     with pytest.raises(PhalanxError) as info:
         RunStore("postgresql://user:hunter2@127.0.0.1:1/db")
     assert "hunter2" not in str(info.value)
-    assert sa is not None
+
+
+def test_lines_wait_in_memory_while_the_store_is_down_and_land_once_it_is_back(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    store = RunStore(make_store_url(None, tmp_path))
+    run_id = store.start_run("run", run_dir, {}, "tiny", 1, 10, "n")
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0, "time": 1.0}) + "\n")
+    follower = RunFollower(run_dir, "run", 0.0, store, run_id)
+    working = store.engine
+    # A real engine pointed at a port nothing listens on: the store is down.
+    store.engine = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none", connect_args={"connect_timeout": 1})
+    follower.sync()
+    assert follower.state()["last"]["step"] == 1  # /metrics carries on without the store
+    store.engine = working
+    assert store.series(run_id)["step"] == []
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "loss": 2.0, "time": 2.0}) + "\n")
+    follower.sync()
+    follower.sync()
+    assert store.series(run_id)["step"] == [1, 2]
+    assert store.offsets(run_id)["metrics.jsonl"] == (run_dir / "metrics.jsonl").stat().st_size
+
+
+def test_a_long_run_name_and_unknown_large_ids_are_handled(store_url, tmp_path):
+    store = RunStore(store_url)
+    run_id = store.start_run("x" * 300, tmp_path / "long", {}, "tiny", 1, 10, "n")
+    assert store.run(run_id)["name"] == "x" * 200
+    with pytest.raises(PhalanxError, match="no run with id 9999999999"):
+        store.run(9999999999)
+    with pytest.raises(PhalanxError, match="no run named '9999999999'"):
+        store.find_run("9999999999")
 
 
 def test_a_store_at_an_older_schema_version_is_migrated_with_its_runs_kept(store_url, tmp_path):

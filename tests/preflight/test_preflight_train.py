@@ -3,7 +3,6 @@ launches until cleared, and a restart preflights the node again before its ranks
 
 from __future__ import annotations
 
-import json
 import socket
 
 from phalanx.observe.store import RunStore
@@ -54,4 +53,3 @@ def test_unknown_threshold_keys_in_config_are_one_line_errors(tiny_args):
     proc = phalanx("train", *tiny_args, "safe.preflight_thresholds={matmul_fp33_tflops: 1}", check=False)
     assert proc.returncode == 2
     assert "matmul_fp33_tflops" in proc.stderr and "did you mean matmul_fp32_tflops" in proc.stderr
-    assert json is not None

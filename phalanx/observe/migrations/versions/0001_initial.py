@@ -96,7 +96,7 @@ def upgrade() -> None:
         "ingest_offsets",
         sa.Column("run_id", sa.Integer, sa.ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
         sa.Column("path", sa.String(300), primary_key=True),
-        sa.Column("position", sa.Integer, nullable=False),
+        sa.Column("position", sa.BigInteger, nullable=False),
     )
 
 
