@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 
 def phalanx(*args: str, timeout: float = 600, check: bool = True,
@@ -32,3 +36,20 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """The last logged training loss of each step (a resumed run appends)."""
     return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 60) -> None:
+    """Until something listens on 127.0.0.1:port (a rendezvous store, a server)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    pytest.fail(f"nothing listens on port {port}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import socket
 import threading
 import time
@@ -34,6 +33,7 @@ from phalanx.observe.figures import compare_figures, run_figures
 from phalanx.observe.pages import compare_data, run_page_data
 from phalanx.observe.prom import StoreCollector
 from phalanx.observe.store import RunStore, StoreError
+from phalanx.train.metrics import json_safe
 
 WEB = Path(__file__).parent / "web"
 MAX_COMPARE = 20
@@ -240,17 +240,7 @@ class SafeJSONResponse(JSONResponse):
         try:
             return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
         except ValueError:
-            return json.dumps(_finite(content), separators=(",", ":")).encode()
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+            return json.dumps(json_safe(content), separators=(",", ":")).encode()
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -6,10 +6,8 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
-import pytest
-from tests.helpers import phalanx
+from tests.helpers import phalanx, free_port, wait_for_port
 
 from phalanx.observe.store import RunStore
 from phalanx.preflight.timing import SLOW_FACTOR_ENV, SLOW_RANK_ENV
@@ -60,22 +58,6 @@ def test_an_injected_slow_rank_is_named_by_bisection(tmp_path):
     assert (slow["status"], slow["rank"], slow["node"]) == ("fail", 2, NODE)
     assert "slow_rank_ratio on rank 2" in report["failed_nodes"][NODE]
     assert "rank 2" in stderr and "preflight failed" in stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    pytest.fail(f"no rendezvous store on port {port}")
 
 
 def test_two_nodes_name_the_slow_node_and_only_it_is_quarantined(tmp_path):

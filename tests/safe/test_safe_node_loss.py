@@ -4,7 +4,6 @@ is killed with its rank mid-run, and the survivor re-forms the job alone from th
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,9 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import TINY
-from tests.helpers import losses_by_step
+from tests.helpers import free_port, losses_by_step, wait_for_port
 
 from phalanx.safe.events import read_events
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:
@@ -33,16 +26,6 @@ def children(pid: int) -> list[int]:
             except (OSError, IndexError):
                 continue
     return found
-
-
-def wait_for_port(port: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    pytest.fail(f"no rendezvous store on port {port}")
 
 
 @pytest.mark.slow
