@@ -171,7 +171,9 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     """Only the model's weights, into a plain single-device model (generate, export, serve)."""
     model_sd = model.state_dict()
     try:
-        dcp.load({"model": model_sd}, checkpoint_id=path)
+        with warnings.catch_warnings():  # one process reading alone is the intent here, not a mistake
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": model_sd}, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:
         raise PhalanxError(f"cannot load checkpoint {path}: {_first_line(exc)}") from exc
     model.load_state_dict(model_sd)
