@@ -57,13 +57,16 @@ PEAK_BF16_TFLOPS: dict[str, float] = {
 }
 
 
+def device_key(device_name: str, keys) -> str | None:
+    """The most specific of `keys` (lower-case substrings) found in a torch device name, or None."""
+    name = device_name.lower()
+    return next((key for key in sorted(keys, key=len, reverse=True) if key in name), None)
+
+
 def peak_tflops(device_name: str) -> float | None:
     """Dense bf16 peak of one device from its torch name, or None when unknown (e.g. "cpu")."""
-    name = device_name.lower()
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # most specific first
-        if key in name:
-            return PEAK_BF16_TFLOPS[key]
-    return None
+    key = device_key(device_name, PEAK_BF16_TFLOPS)
+    return PEAK_BF16_TFLOPS[key] if key else None
 
 
 def achieved_tflops(tokens_per_sec: float, flops_per_token: float) -> float:

@@ -28,6 +28,7 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Redire
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phalanx.errors import PhalanxError
+from phalanx.listen import bind
 from phalanx.observe import auth
 from phalanx.observe.figures import compare_figures, run_figures
 from phalanx.observe.pages import compare_data, run_page_data
@@ -241,28 +242,6 @@ class SafeJSONResponse(JSONResponse):
             return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
         except ValueError:
             return json.dumps(json_safe(content), separators=(",", ":")).encode()
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound here so a taken port is one clear line rather than uvicorn's log."""
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        addresses = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise PhalanxError(f"--host {host!r} is not an address of this machine: {exc}") from None
-    family, kind, proto, _, address = addresses[0]
-    # proto must say TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that do, and with it on,
-    # every response on a kept-alive connection waits ~40 ms for the client's delayed ACK.
-    sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise PhalanxError(f"cannot listen on {host}:{port}: {exc.strerror} (pick another with --port)") from None
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
 
 
 def serve(app: ASGIApp, sock: socket.socket, log_level: str = "warning") -> None:

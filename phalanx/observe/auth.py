@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 from urllib.parse import parse_qs, quote
 
 from starlette.requests import Request
@@ -19,6 +18,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from phalanx.errors import PhalanxError
+from phalanx.listen import is_loopback
 
 COOKIE = "phalanx_session"
 MIN_TOKEN_CHARS = 16
@@ -26,15 +26,6 @@ MIN_TOKEN_CHARS = 16
 OPEN_PATHS = ("/health", "/login", "/static/dashboard.css")
 # Answered 401 rather than sent to the login form: machines read these.
 MACHINE_PREFIXES = ("/api/", "/metrics", "/static/")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(host: str, token: str | None) -> None:

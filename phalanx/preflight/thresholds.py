@@ -137,13 +137,11 @@ UNKNOWN_GPU_BF16_FRACTION = 0.45
 
 def device_type(device_name: str, is_gpu: bool) -> str:
     """The table row for a device, from its torch name (`NVIDIA H100 80GB HBM3`, `AMD Instinct MI300X`)."""
+    from phalanx.models.flops import device_key  # here: config validation imports this module, not torch
+
     if not is_gpu:
         return "cpu"
-    name = device_name.lower()
-    for key in sorted(_GPU_EXPECTED, key=len, reverse=True):
-        if key in name:
-            return key
-    return "gpu"
+    return device_key(device_name, _GPU_EXPECTED) or "gpu"
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:

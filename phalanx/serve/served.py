@@ -89,6 +89,7 @@ def _human_count(n: int) -> str:
 def load_served_model(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                       name: str | None = None) -> ServedModel:
     """A run directory (its newest checkpoint), a checkpoint directory, or an HF export directory."""
+    from phalanx.export.export import export_name
     from phalanx.export.hf import is_hf_export, load_hf_export, read_chat_template
 
     path = Path(path)
@@ -102,6 +103,5 @@ def load_served_model(path: Path, device: torch.device | str = "cpu", dtype: tor
     if dtype is not None:
         loaded.model.to(dtype)
     if name is None:
-        # A checkpoint directory (runs/NAME/checkpoints/step_N) is named after its run.
-        name = path.resolve().parent.parent.name if (path / "trainer.json").is_file() else path.resolve().name
+        name = export_name(path.resolve(), loaded.checkpoint)  # a checkpoint is named after its run
     return ServedModel(name, loaded, template, path.resolve(), fmt, time.perf_counter() - started)

@@ -6,24 +6,14 @@ the model loads, so a taken port fails at once with one clear line.
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 from pathlib import Path
 
 import torch
 
 from phalanx.errors import PhalanxError
+from phalanx.listen import bind, is_loopback
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
 
 
 def check_listen(host: str, api_key: str | None) -> None:
@@ -32,30 +22,15 @@ def check_listen(host: str, api_key: str | None) -> None:
                            "the model; pass --api-key KEY (or set PHALANX_API_KEY), or keep --host 127.0.0.1")
 
 
-def bind(host: str, port: int) -> socket.socket:
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as e:
-        raise PhalanxError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
 def pick_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """The trainer's choice (parallel/device.py): the GPU with bf16 if there is one, else CPU in float32."""
+    from phalanx.parallel.device import compute_dtype, pick_device as pick_torch_device
+
     if device not in ("auto", "cpu", "cuda") or dtype not in ("auto", *DTYPES):
         raise PhalanxError(f"--device must be auto|cpu|cuda and --dtype auto|{'|'.join(DTYPES)} "
                            f"(got {device}, {dtype})")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise PhalanxError("--device cuda, but no GPU is visible to torch")
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    return torch.device(device), DTYPES[dtype]
+    torch_device = pick_torch_device(device)
+    return torch_device, compute_dtype(dtype, torch_device)
 
 
 def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str | None, slots: int,
