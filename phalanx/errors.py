@@ -1,10 +1,44 @@
 """Errors that end a command with one clear line and a distinct exit code (tracebacks only with --debug).
 
-Exit codes: 2 bad input; 3 a crash loop (restarts that never get past the newest checkpoint); 4 the run
-failed again after `safe.max_restarts` restarts; 5 the job could not form (rendezvous failed or timed
-out); 128 + N stopped by signal N (143 for SIGTERM, 130 for Ctrl-C). A scheduler can requeue on 4, 5
-and 143 but should not on 2 or 3.
+EXIT_CODES is the one table of what every exit code means and whether a scheduler should requeue the
+job; the README's table is rendered from it (tests/test_errors.py checks they match). Each error type
+below takes its code from there.
 """
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class ExitCode(NamedTuple):
+    code: str  # a number, or "128 + N"
+    meaning: str
+    requeue: bool  # whether a scheduler should run the job again on this exit
+
+
+EXIT_CODES = (
+    ExitCode("0", "done", False),
+    ExitCode("1", "a rank's own failure (a crash, a checkpoint that would not load), which the node agent "
+                  "restarts; from a command, an unexpected error: rerun with --debug and report it", False),
+    ExitCode("2", "bad input: fix the command or config", False),
+    ExitCode("3", "crash loop: `safe.crash_loop_restarts` restarts in a row never got past the newest "
+                  "checkpoint", False),
+    ExitCode("4", "the run failed again after `safe.max_restarts` restarts", True),
+    ExitCode("5", "the job could not form: the rendezvous failed or timed out", True),
+    ExitCode("6", "preflight failed, or this node is quarantined (`phalanx preflight --clear NODE` once fixed)",
+             False),
+    ExitCode("7", "the run store cannot be reached or refused the request (`phalanx runs`, `dashboard`; training "
+                  "itself goes on without the store, with a warning)", True),
+    ExitCode("128 + N", "stopped by signal N (143: SIGTERM from a scheduler, 130: Ctrl-C); the same command "
+                        "resumes", True),
+)
+
+
+def exit_code_table() -> str:
+    """The Markdown table of EXIT_CODES, as the README shows it."""
+    rows = ["| exit code | meaning | requeue |", "|---|---|---|"]
+    rows += [f"| {e.code} | {e.meaning} | {'yes' if e.requeue else 'no'} |" for e in EXIT_CODES]
+    return "\n".join(rows)
 
 
 class PhalanxError(Exception):
@@ -32,6 +66,24 @@ class RendezvousFailedError(PhalanxError):
     exit_code = 5
 
 
+class PreflightFailedError(PhalanxError):
+    """A preflight check failed (or the preflight itself could not run). A scheduler should not start the
+    job on these nodes; a quarantined node stays out until `phalanx preflight --clear NODE`."""
+
+    exit_code = 6
+
+
+class StoreError(PhalanxError):
+    """The run store could not be reached or refused a write. `transient` errors (a lost connection, a
+    locked or restarting database) may succeed if retried; the others will not."""
+
+    exit_code = 7
+
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
+
+
 class StoppedBySignal(PhalanxError):
     """The launch was stopped by a signal (a scheduler's SIGTERM, Ctrl-C); exits 128 + the signal."""
 
@@ -41,3 +93,4 @@ class StoppedBySignal(PhalanxError):
         super().__init__(f"stopped by {signal.Signals(signum).name}; the ranks were stopped "
                          "(the same command resumes from the newest checkpoint)")
         self.exit_code = 128 + int(signum)
+

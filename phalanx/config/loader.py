@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import typing
 from pathlib import Path
 from typing import Any
@@ -53,16 +52,6 @@ def dump_yaml(config: Config) -> str:
 
 def dump_json(config: Config) -> str:
     return json.dumps(config.model_dump(mode="json"), indent=2)
-
-
-def save_resolved(config: Config, run_dir: Path) -> Path:
-    """Write the resolved config next to the run's outputs (atomically), so the run can be repeated."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    target = run_dir / "config.yaml"
-    tmp = target.with_suffix(f".yaml.{os.getpid()}.tmp")  # several nodes may write it at once
-    tmp.write_text(dump_yaml(config))
-    tmp.replace(target)
-    return target
 
 
 def _locate(name: str, base: Path) -> Path:

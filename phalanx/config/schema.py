@@ -11,8 +11,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
-from phalanx.errors import PhalanxError
-
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -139,17 +137,9 @@ class SafeSection(Section):
     # quarantined instead of joining); `phalanx preflight` runs the same checks by hand.
     preflight: Literal["quick", "full", "off"] = "off"
     # Limits that replace the built-in table's, keyed CHECK (failure) or CHECK.warn (warning).
+    # Plain data here (config imports no other stage): the preflight checks the names, and `phalanx train`
+    # refuses unknown ones before it starts (preflight/thresholds.py: config_overrides).
     preflight_thresholds: dict[str, float] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _check_thresholds(self) -> "SafeSection":
-        from phalanx.preflight.thresholds import parse_overrides
-
-        try:
-            parse_overrides([f"{k}={v}" for k, v in self.preflight_thresholds.items()])  # unknown check names
-        except PhalanxError as exc:
-            raise ValueError(str(exc).replace("--threshold", "safe.preflight_thresholds")) from None
-        return self
 
 
 class ObserveSection(Section):

@@ -1,4 +1,4 @@
-"""The command-line front of phalanx export (issue 5): register() adds its commands to the main typer app."""
+"""The command-line front of phalanx export: register() adds its command to the main typer app."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import typer
+
+from phalanx.console import JsonOpt, print_table
 
 
 def register(app: typer.Typer) -> None:
@@ -17,10 +19,9 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
         dtype: str = typer.Option("f32", "--dtype", help="Weight type: f32, f16 or bf16 (GGUF norms stay f32)."),
         force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON object for machines."),
+        json_out: bool = JsonOpt,
     ) -> None:
         """Export a trained model for Hugging Face transformers or for llama.cpp / Ollama."""
-        from phalanx.cli import _print_table
         from phalanx.export.export import export_run
 
         files = export_run(run_dir, fmt, out, dtype, force)
@@ -29,5 +30,5 @@ def register(app: typer.Typer) -> None:
         if json_out:
             print(json.dumps(report))
         else:
-            _print_table(f"exported ({fmt}, {dtype})",
+            print_table(f"exported ({fmt}, {dtype})",
                          {"out": report["out"], **{n: f"{s:,} bytes" for n, s in report["files"].items()}})

@@ -11,13 +11,6 @@ FORMATS = ("hf", "gguf")
 DTYPES = ("f32", "f16", "bf16")
 
 
-def export_name(source: Path, checkpoint: Path) -> str:
-    """The model's name: its run's directory name (a checkpoint lives in RUN_DIR/checkpoints/step_N)."""
-    if checkpoint.parent.name == "checkpoints":
-        return checkpoint.parent.parent.name
-    return Path(source).absolute().name
-
-
 def export_run(source: Path, fmt: str, out: Path, dtype: str = "f32", force: bool = False) -> list[Path]:
     """Write `source` in `fmt` to the directory `out`; returns the files in it."""
     if fmt not in FORMATS:
@@ -31,10 +24,9 @@ def export_run(source: Path, fmt: str, out: Path, dtype: str = "f32", force: boo
         raise PhalanxError(f"--out {out} is inside {source}; write the export elsewhere")
     check_out_dir(out, force)  # before the (slow) load
 
-    from phalanx.export.hf import is_hf_export, load_hf_export
-    from phalanx.serve.generate import load_run
+    from phalanx.run.model_loader import load_model
 
-    loaded = load_hf_export(source) if is_hf_export(source) else load_run(source)
+    loaded = load_model(source)
     with atomic_out_dir(out, force) as tmp:
         if fmt == "hf":
             from phalanx.export.hf import write_hf_export
@@ -44,6 +36,6 @@ def export_run(source: Path, fmt: str, out: Path, dtype: str = "f32", force: boo
             from phalanx.export.gguf_export import GGUF_FILE, write_gguf
             from phalanx.export.modelfile import modelfile
 
-            write_gguf(loaded, tmp / GGUF_FILE, export_name(source, loaded.checkpoint), dtype)
+            write_gguf(loaded, tmp / GGUF_FILE, loaded.name, dtype)
             (tmp / "Modelfile").write_text(modelfile(GGUF_FILE))
     return sorted(out.iterdir())

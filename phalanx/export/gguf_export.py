@@ -21,12 +21,12 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from phalanx.data.chat_template import CHAT_TEMPLATE
 from phalanx.data.tokenizer import special_ids
 from phalanx.errors import PhalanxError
 from phalanx.export.tokenizer_files import ensure_special_tokens
 from phalanx.models.llama import ModelArgs, Transformer
-from phalanx.serve.chat_template import CHAT_TEMPLATE
-from phalanx.serve.generate import LoadedModel
+from phalanx.run.model_loader import LoadedModel
 
 GGUF_FILE = "model.gguf"
 

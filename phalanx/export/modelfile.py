@@ -9,7 +9,7 @@ their leading blank line (a Modelfile value cannot hold a newline).
 
 from __future__ import annotations
 
-from phalanx.serve.chat_template import CHAT_STOP
+from phalanx.data.chat_template import CHAT_STOP
 
 _TEMPLATE = (
     '{{- range .Messages }}'

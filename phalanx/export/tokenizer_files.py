@@ -1,4 +1,4 @@
-"""The tokenizer files of a Hugging Face export, and the way back to phalanx's own tokenizer convention.
+"""The tokenizer files of a Hugging Face export (read back by phalanx/run/hf_format.py).
 
 phalanx frames every text as [BOS] + ids itself and keeps the tokenizer free of a post-processor. An HF
 user calls `tokenizer(text)` and expects the framing the model was trained with, as Llama 3's tokenizer
@@ -9,14 +9,10 @@ text without special tokens (as llama.cpp and Ollama do with add_bos_token).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from tokenizers import AddedToken, Tokenizer, processors
 
+from phalanx.data.chat_template import CHAT_TEMPLATE
 from phalanx.data.tokenizer import BOS, EOS, special_ids
-from phalanx.errors import PhalanxError
-from phalanx.serve.chat_template import CHAT_TEMPLATE
 
 
 def ensure_special_tokens(tokenizer: Tokenizer) -> Tokenizer:
@@ -57,20 +53,3 @@ def hf_tokenizer_config(max_length: int) -> dict:
         "model_max_length": max_length,
         "chat_template": CHAT_TEMPLATE,
     }
-
-
-def phalanx_tokenizer(path: Path) -> Tokenizer:
-    """The tokenizer of an export as phalanx uses it: encode() adds nothing, callers prepend BOS."""
-    try:
-        spec = json.loads((Path(path) / "tokenizer.json").read_text())
-    except FileNotFoundError:
-        raise PhalanxError(f"{path} has no tokenizer.json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise PhalanxError(f"{path}/tokenizer.json is not valid JSON") from None
-    spec["post_processor"] = None
-    try:
-        tokenizer = Tokenizer.from_str(json.dumps(spec))
-    except Exception as e:  # tokenizers raises a bare Exception with serde's message
-        raise PhalanxError(f"{path}/tokenizer.json is not a valid tokenizer: {str(e).splitlines()[0]}") from None
-    special_ids(tokenizer, Path(path) / "tokenizer.json")
-    return tokenizer

@@ -12,16 +12,16 @@ import os
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.config.schema import Config
-from phalanx.errors import StoppedBySignal, PhalanxError, RendezvousFailedError, RestartsExhaustedError
-from phalanx.safe.events import JsonlEventSink
+from phalanx.errors import PhalanxError, RendezvousFailedError, RestartsExhaustedError, StoppedBySignal
+from phalanx.run.checkpoints import checkpoint_step, latest_checkpoint
+from phalanx.run.layout import RunDir
+from phalanx.run.records import JsonlEventSink
 from phalanx.safe.heartbeat import ENV_FILE, HeartbeatBoard
-from phalanx.train.checkpoint import checkpoint_step, latest_checkpoint
-from phalanx.train.run_dir import checkpoints_dir
-
 
 # The c10d rendezvous options a user may set (seconds), as torchrun's --rdzv-conf takes them.
 RDZV_OPTIONS = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval",
@@ -87,10 +87,13 @@ class OneShot:
     work_dir: Path
 
 
-def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None) -> bool:
+def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
+           before_restart: Callable[[], None] | None = None) -> bool:
     """Run the training (or `one_shot`) on this node's ranks until it succeeds, or raise why it could not.
     Returns whether this node ran global rank 0 (the rank that writes the run's summary).
-    The caller has validated `spec` and, for training, prepared the run directory."""
+    The caller has validated `spec` and, for training, prepared the run directory. `before_restart`
+    runs in the node agent after a failure, before the ranks restart, and raises to keep this node
+    out (the job passes the node preflight of `safe.preflight` here)."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -102,7 +105,7 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None) ->
     min_nodes, max_nodes = spec.node_range()
     if one_shot is None:
         role, work_dir, rdzv_id = "trainer", config.run_dir, config.run.name
-        args = ("-m", "phalanx.train.worker", str(config.run_dir / "config.yaml"))
+        args = ("-m", "phalanx.train.worker", str(RunDir(config.run_dir).config))
         max_restarts, heartbeats = config.safe.max_restarts, config.safe.heartbeats
     else:
         role, work_dir, rdzv_id = one_shot.role, one_shot.work_dir, f"{config.run.name}-{one_shot.role}"
@@ -131,7 +134,7 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None) ->
         os.close(fd)
         board = HeartbeatBoard(Path(path), spec.nproc)
         os.environ[ENV_FILE] = path
-    root = checkpoints_dir(config.run_dir)
+    root = RunDir(config.run_dir).checkpoints
 
     def newest_step() -> int | None:
         if one_shot is not None:
@@ -139,11 +142,6 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None) ->
         newest = latest_checkpoint(root)
         return checkpoint_step(newest) if newest else None
 
-    before_restart = None
-    if one_shot is None and config.safe.preflight != "off":
-        from phalanx.preflight.gate import node_preflight_before_restart
-
-        before_restart = node_preflight_before_restart(config, spec.nproc)
     agent = PhalanxAgent(worker_spec, DefaultLogsSpecs(), safe=config.safe, run_dir=work_dir,
                          events=JsonlEventSink(work_dir), board=board, newest_checkpoint_step=newest_step,
                          before_restart=before_restart)

@@ -27,14 +27,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, StoreError
 from phalanx.listen import bind
 from phalanx.observe import auth
 from phalanx.observe.figures import compare_figures, run_figures
 from phalanx.observe.pages import compare_data, run_page_data
 from phalanx.observe.prom import StoreCollector
-from phalanx.observe.store import RunStore, StoreError
-from phalanx.train.metrics import json_safe
+from phalanx.observe.store import RunStore
+from phalanx.run.jsonl import json_safe
 
 WEB = Path(__file__).parent / "web"
 MAX_COMPARE = 20

@@ -1,4 +1,4 @@
-"""The command-line front of phalanx dashboard and phalanx runs (issue 4): register() adds its commands to the main typer app."""
+"""The command-line front of phalanx dashboard and phalanx runs: register() adds its commands to the main typer app."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The node agent's copy of a run's plain files into the run store, Prometheus and TensorBoard.
 
-The ranks only append JSON lines (metrics.jsonl from rank 0, ranks/rank_N.jsonl from every rank, and
-events.jsonl), which costs them microseconds and never waits on a database. A thread in the node agent
+The ranks only append JSON lines (step metrics from rank 0, step timings from every rank, and events;
+phalanx/run/layout.py names the files), which costs them microseconds and never waits on a database. A thread in the node agent
 reads what is new every `sync_interval_s` and writes it to the store in one transaction together with
 how far it read each file, so every line lands exactly once, across restarts and later launches. A
 store that is briefly unreachable only delays the copy (the lines wait in memory, /metrics and
@@ -19,12 +19,11 @@ from typing import Any
 
 from rich.console import Console
 
-from phalanx.observe.store import RunStore, StoreError
-from phalanx.safe.events import EVENTS_FILE
+from phalanx.errors import StoreError
+from phalanx.observe.store import RunStore
+from phalanx.run.layout import EVENTS, METRICS, RunDir
 from phalanx.safe.goodput import account
-from phalanx.train.run_dir import RANKS_DIR
 
-METRICS_FILE = "metrics.jsonl"
 GOODPUT_EVERY_S = 10.0
 # What goodput accounting needs of each step record; the follower keeps only these for the launch.
 GOODPUT_FIELDS = ("step", "time", "loss", "step_seconds", "eval_seconds", "skipped")
@@ -84,7 +83,7 @@ class RunFollower:
                 new[rel], offsets[rel] = _read_new_lines(self.run_dir / rel, self.offsets.get(rel, 0))
             except OSError as exc:  # a file system hiccup (NFS): try that file again next pass
                 self._warn(f"cannot read {rel}: {exc}")
-        metrics, events = new.pop(METRICS_FILE, []), new.pop(EVENTS_FILE, [])
+        metrics, events = new.pop(METRICS, []), new.pop(EVENTS, [])
         rank_records = [r for records in new.values() for r in records]
         with self._lock:
             self.offsets = offsets
@@ -106,8 +105,7 @@ class RunFollower:
         self._pending = ([], [], [])
 
     def _files(self) -> list[str]:
-        ranks = sorted(p.relative_to(self.run_dir).as_posix() for p in (self.run_dir / RANKS_DIR).glob("rank_*.jsonl"))
-        return [METRICS_FILE, EVENTS_FILE, *ranks]
+        return [METRICS, EVENTS, *RunDir(self.run_dir).rank_timing_names()]
 
     def _update_state(self, metrics: list[dict], rank_records: list[dict], events: list[dict]) -> None:
         for m in metrics:
@@ -183,7 +181,7 @@ def _tensorboard_writer(run_dir: Path):
     except ImportError:
         raise PhalanxError("observe.tensorboard=true needs the tensorboard package: "
                            "pip install 'phalanx[tensorboard]'") from None
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+    return SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard))
 
 
 TENSORBOARD_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",

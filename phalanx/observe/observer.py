@@ -15,10 +15,11 @@ from typing import Any
 from rich.console import Console
 
 from phalanx.config.schema import Config
-from phalanx.errors import PhalanxError, StoppedBySignal
+from phalanx.errors import PhalanxError, StoppedBySignal, StoreError
 from phalanx.observe.follower import RunFollower
-from phalanx.observe.store import RunStore, StoreError
-from phalanx.safe.events import JsonlEventSink
+from phalanx.observe.store import RunStore
+from phalanx.run.layout import RunDir
+from phalanx.run.records import JsonlEventSink
 from phalanx.safe.telemetry import TelemetrySampler
 
 
@@ -110,8 +111,7 @@ def _start_metrics_server(config: Config, node_rank: int, follower: RunFollower 
     bound = server.server_address[1]
     # The port the agent bound (observe.metrics_port=0 picks a free one), for people and tests to find;
     # one file per node, as nodes may share the run directory.
-    name = "metrics_port" if node_rank == 0 else f"metrics_port.{socket.gethostname()}"
-    (config.run_dir / name).write_text(f"{bound}\n")
+    RunDir(config.run_dir).metrics_port_file(None if node_rank == 0 else socket.gethostname()).write_text(f"{bound}\n")
     return server
 
 
@@ -119,21 +119,21 @@ def sync_run_dir(store: RunStore, run_dir: Path) -> int:
     """Copy a finished (or stopped) run directory's files into the store: runs trained with the store
     off, or elsewhere. A run already in the store is left alone; a run still training is refused."""
     from phalanx.config.loader import load_config
-    from phalanx.train.run_dir import run_lock
+    from phalanx.run.lock import run_lock
 
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise PhalanxError(f"{run_dir} is not a run directory (it has no config.yaml)")
+    run = RunDir(run_dir)
+    run_dir = run.path
+    if not run.config.is_file():
+        raise PhalanxError(f"{run_dir} is not a run directory (it has no {run.config.name})")
     known = store.run_id_for_dir(run_dir)
     if known is not None:
         raise PhalanxError(f"{run_dir} is already in the store as run {known}")
     with run_lock(run_dir):  # a run still training is refused: its own node agent is copying it
-        config = load_config(str(run_dir / "config.yaml"), [])
+        config = load_config(str(run.config), [])
         run_id = store.start_run(run_dir.name, run_dir, json.loads(config.model_dump_json()), config.model.preset,
                                  None, config.train.max_steps, socket.gethostname())
         RunFollower(run_dir, run_dir.name, time.time(), store, run_id).sync()
-        summary_file = run_dir / "summary.json"
-        summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+        summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
         if "goodput" in summary:  # `phalanx train` adds the launch's goodput report to the summary
             store.set_goodput(run_id, {k: summary.get(k) for k in ("restarts", "faults", "stragglers", "goodput",
                                                                     "ettr")})

@@ -11,12 +11,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from phalanx.console import JsonOpt
+
 runs_app = typer.Typer(no_args_is_help=True, help="List, inspect and compare runs in the run store.")
 out = Console()
 
 RunsOpt = typer.Option(Path("runs"), "--runs", help="Runs root whose store file phalanx.db to read.")
 StoreOpt = typer.Option(None, "--store", help="A store URL (postgresql://...) or file, instead of --runs.")
-JsonOpt = typer.Option(False, "--json", help="Print JSON for machines.")
 
 
 def _open(runs: Path, store: str | None):

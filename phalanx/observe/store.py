@@ -22,22 +22,13 @@ import sqlalchemy as sa
 from alembic.util.exc import CommandError
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, StoreError
 from phalanx.observe import tables as t
 
 STORE_FILE = "phalanx.db"
 MAX_RUN_ID = 2**31 - 1  # runs.id is a 32-bit integer column
 
 
-class StoreError(PhalanxError):
-    """The run store could not be reached or refused a write: exit code 7. `transient` errors (a lost
-    connection, a locked or restarting database) may succeed if retried; the others will not."""
-
-    exit_code = 7
-
-    def __init__(self, message: str, transient: bool):
-        super().__init__(message)
-        self.transient = transient
 MIGRATIONS = Path(__file__).parent / "migrations"
 STEP_FIELDS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "achieved_tflops", "peak_mem_gib",
                "step_seconds", "compute_seconds", "eval_seconds")

@@ -1,10 +1,12 @@
-"""The command-line front of phalanx plan (issue 6): register() adds its commands to the main typer app."""
+"""The command-line front of phalanx plan: register() adds its commands to the main typer app."""
 
 from __future__ import annotations
 
 import json
 
 import typer
+
+from phalanx.console import JsonOpt
 
 STRATEGIES = ("ddp", "fsdp", "none")
 
@@ -36,7 +38,7 @@ def register(app: typer.Typer) -> None:
                                           help="Peak TFLOP/s of one CPU host for --gpu cpu (default: a guess "
                                                "from its cores)."),
         compare: bool = typer.Option(False, "--compare", help="Plan the same job on every known device."),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON object for machines."),
+        json_out: bool = JsonOpt,
     ) -> None:
         """Will a training run fit: memory per device, the largest micro batch, projected tokens/s."""
         from phalanx.errors import PhalanxError

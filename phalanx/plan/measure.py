@@ -39,7 +39,6 @@ from phalanx.parallel.device import compute_dtype
 from phalanx.parallel.distributed import init_distributed, teardown
 from phalanx.train.optim import build_optimizer, clip_gradients
 
-
 BUILD, STEPS = "phalanx.plan.build", "phalanx.plan.steps"
 
 

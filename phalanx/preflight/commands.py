@@ -1,4 +1,4 @@
-"""The command-line front of phalanx preflight (issue 6): register() adds its command to the main typer app."""
+"""The command-line front of phalanx preflight: register() adds its command to the main typer app."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from typing import Any, Optional
 
 import typer
 
+from phalanx.console import ArgsArg, JsonOpt, split_config_args
+
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "info": "cyan"}
 
 
 def register(app: typer.Typer) -> None:
-    from phalanx.cli import ArgsArg, JsonOpt
-
     @app.command()
     def preflight(
         args: Optional[list[str]] = ArgsArg,
@@ -39,7 +39,6 @@ def register(app: typer.Typer) -> None:
         """Check every node and rank before a job: inventory, hardware health, compute, memory, disk and
         interconnect against per-device limits, and find a slow rank. Exits 6 when a check fails (and
         quarantines the failing node in the run store)."""
-        from phalanx.cli import split_config_args
         from phalanx.config.loader import load_config
 
         path, overrides = split_config_args(args)
@@ -54,14 +53,13 @@ def register(app: typer.Typer) -> None:
 def _preflight(config: Any, nproc: int | None, nnodes: str, node_rank: int, rdzv_endpoint: str | None,
                rdzv_conf: str, quick: bool, threshold: list[str], inject_slow_rank: int | None,
                slow_factor: float | None, json_out: bool) -> None:
-    from phalanx.errors import PhalanxError
+    from phalanx.errors import PhalanxError, PreflightFailedError
     from phalanx.launch.local import LaunchSpec
-    from phalanx.preflight.report import PreflightFailedError
     from phalanx.preflight.run import run_preflight
-    from phalanx.preflight.thresholds import parse_overrides
+    from phalanx.preflight.thresholds import config_overrides, parse_overrides
     from phalanx.preflight.timing import DEFAULT_SLOW_FACTOR, SlowRank
 
-    limits = parse_overrides([f"{k}={v}" for k, v in config.safe.preflight_thresholds.items()] + list(threshold))
+    limits = {**config_overrides(config.safe.preflight_thresholds), **parse_overrides(threshold)}
     slow = SlowRank.from_env()
     if inject_slow_rank is not None:
         slow = SlowRank(inject_slow_rank, slow_factor or (slow.factor if slow else DEFAULT_SLOW_FACTOR))

@@ -19,14 +19,15 @@ import sys
 from rich.console import Console
 
 from phalanx.config.schema import Config
+from phalanx.errors import PreflightFailedError, StoreError
 from phalanx.launch.local import LaunchSpec
-from phalanx.preflight.report import PreflightFailedError, PreflightReport
-from phalanx.safe.events import JsonlEventSink
+from phalanx.preflight.report import PreflightReport
+from phalanx.run.layout import RunDir
+from phalanx.run.records import JsonlEventSink
 
 
 def refuse_if_quarantined(config: Config) -> None:
     from phalanx.observe.observer import open_store
-    from phalanx.observe.store import StoreError
 
     host = socket.gethostname()
     try:
@@ -50,9 +51,9 @@ def refuse_if_quarantined(config: Config) -> None:
 
 def preflight_before_training(config: Config, spec: LaunchSpec, progress: bool) -> PreflightReport:
     from phalanx.preflight.run import run_preflight
-    from phalanx.preflight.thresholds import parse_overrides
+    from phalanx.preflight.thresholds import config_overrides
 
-    overrides = parse_overrides([f"{k}={v}" for k, v in config.safe.preflight_thresholds.items()])
+    overrides = config_overrides(config.safe.preflight_thresholds)
     report = run_preflight(config, spec, quick=config.safe.preflight == "quick", overrides=overrides,
                            progress=progress)
     events = JsonlEventSink(config.run_dir)
@@ -69,7 +70,7 @@ def node_preflight_before_restart(config: Config, nproc: int):
     child process and raises PreflightFailedError if it fails (the child has quarantined the node)."""
     def check() -> None:
         events = JsonlEventSink(config.run_dir)
-        command = [sys.executable, "-m", "phalanx", "preflight", str(config.run_dir / "config.yaml"),
+        command = [sys.executable, "-m", "phalanx", "preflight", str(RunDir(config.run_dir).config),
                    "--nproc", str(nproc), "--json"] + (["--quick"] if config.safe.preflight == "quick" else [])
         # Its own process group, so a timeout (a wedged GPU is what it looks for) stops its ranks too.
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -6,17 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from phalanx.errors import PhalanxError
-
 STATUSES = ("pass", "warn", "fail", "skip", "info")
-
-
-class PreflightFailedError(PhalanxError):
-    """A preflight check failed (or the preflight itself could not run): exit code 6. A scheduler
-    should not start the job on these nodes; a quarantined node stays out until
-    `phalanx preflight --clear NODE`."""
-
-    exit_code = 6
 
 
 @dataclass

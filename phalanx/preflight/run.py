@@ -16,10 +16,10 @@ import uuid
 from pathlib import Path
 
 from phalanx.config.schema import Config
-from phalanx.errors import RestartsExhaustedError
+from phalanx.errors import PreflightFailedError, RestartsExhaustedError, StoreError
 from phalanx.launch.local import LaunchSpec, OneShot, launch
 from phalanx.preflight.evaluate import evaluate
-from phalanx.preflight.report import PreflightFailedError, PreflightReport
+from phalanx.preflight.report import PreflightReport
 from phalanx.preflight.timing import SlowRank
 
 OUTPUT_FILE = "preflight.json"
@@ -78,7 +78,6 @@ def own_node(report: PreflightReport, launcher: str) -> str:
 
 def _record(config: Config, report: PreflightReport, node: str, run_id: int | None) -> None:
     from phalanx.observe.observer import open_store
-    from phalanx.observe.store import StoreError
 
     try:
         _write_record(open_store(config), config, report, node, run_id)

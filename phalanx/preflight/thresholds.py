@@ -169,6 +169,14 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
     return overrides
 
 
+def config_overrides(thresholds: dict[str, float]) -> dict[str, float]:
+    """`safe.preflight_thresholds` as parse_overrides reads them, errors naming that key."""
+    try:
+        return parse_overrides([f"{k}={v}" for k, v in thresholds.items()])
+    except PhalanxError as exc:
+        raise PhalanxError(str(exc).replace("--threshold", "safe.preflight_thresholds")) from None
+
+
 def device_limits(device_name: str, is_gpu: bool, overrides: dict[str, float] | None = None) -> dict[str, Limit]:
     """The limits for one device by its torch name: its type's row, overrides applied."""
     from phalanx.models.flops import peak_tflops

@@ -23,11 +23,11 @@ import torch.distributed as dist
 
 from phalanx.errors import PhalanxError
 from phalanx.parallel.device import device_name, pick_backend, pick_device
+from phalanx.parallel.device_health import read_health
 from phalanx.parallel.distributed import teardown
 from phalanx.preflight.bisection import find_slow_ranks
 from phalanx.preflight.collectives import OPS, algbw_gbps, busbw_gbps, message_bytes, time_collective
 from phalanx.preflight.compute import copy_bandwidth_gbps, disk_write_mbps, matmul_tflops
-from phalanx.preflight.health import read_health
 from phalanx.preflight.inventory import collect
 from phalanx.preflight.thresholds import device_limits
 from phalanx.preflight.timing import SlowRank, Timer

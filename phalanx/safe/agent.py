@@ -22,9 +22,10 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from phalanx.config.schema import SafeSection
 from phalanx.errors import CrashLoopError, PhalanxError
-from phalanx.safe.events import EventSink
+from phalanx.run.layout import RunDir
+from phalanx.run.records import EventSink
 from phalanx.safe.heartbeat import HeartbeatBoard
-from phalanx.safe.stacks import STACK_SIGNAL, innermost_frame, stack_file
+from phalanx.safe.stacks import STACK_SIGNAL, innermost_frame
 from phalanx.safe.watchdog import HangDetector, Stall
 
 STACK_WAIT_SECONDS = 2.0
@@ -116,7 +117,7 @@ class PhalanxAgent(LocalElasticAgent):
             except ProcessLookupError:
                 pass
         global_rank = {w.local_rank: w.global_rank for w in worker_group.workers}
-        files = {s.local_rank: stack_file(self.run_dir, self.attempt, global_rank[s.local_rank]) for s in stalls}
+        files = {s.local_rank: RunDir(self.run_dir).stack_file(self.attempt, global_rank[s.local_rank]) for s in stalls}
         deadline = time.monotonic() + STACK_WAIT_SECONDS
         while time.monotonic() < deadline and not all(f.is_file() and f.stat().st_size for f in files.values()):
             time.sleep(0.05)
@@ -148,4 +149,4 @@ class PhalanxAgent(LocalElasticAgent):
             self.events.emit("crash_loop", attempt=self.attempt, restarts=restarts, checkpoint_step=progress,
                              last_failure=self.last_failure)
             raise CrashLoopError(f"crash loop: {restarts} restarts in a row without checkpoint progress "
-                                 f"({where}); last failure: {self.last_failure} (see {self.run_dir}/events.jsonl)")
+                                 f"({where}); last failure: {self.last_failure} (see {RunDir(self.run_dir).events})")

@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from phalanx.safe.events import read_events
+from phalanx.run.records import read_events
 
 FAILURES = ("worker_failed", "hang_detected")  # one event per incident, from the node agent
 FAULT_KINDS = {"worker_failed": "crash", "hang_detected": "hang", "save_failed": "save_failed",

@@ -19,17 +19,18 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from phalanx.config.schema import FaultSpec
-from phalanx.safe.events import EventSink, read_events
+from phalanx.run.checkpoints import latest_checkpoint
+from phalanx.run.layout import RunDir
+from phalanx.run.records import EventSink, read_events
 from phalanx.safe.heartbeat import Heartbeat
-from phalanx.train.checkpoint import latest_checkpoint
 
 
 class FaultInjector:
-    def __init__(self, specs: list[FaultSpec], rank: int, events: EventSink, run_dir: Path, heartbeat: Heartbeat,
-                 checkpoints: Path):
+    def __init__(self, specs: list[FaultSpec], rank: int, events: EventSink, run_dir: Path, heartbeat: Heartbeat):
         fired = {e.get("spec") for e in read_events(run_dir) if e["kind"] == "fault_injected"}
         self._pending = [s for s in specs if s.rank == rank and (s.repeat or _key(s) not in fired)]
-        self.rank, self.events, self.heartbeat, self.checkpoints = rank, events, heartbeat, checkpoints
+        self.rank, self.events, self.heartbeat = rank, events, heartbeat
+        self.checkpoints = RunDir(run_dir).checkpoints
         self.slow_seconds = 0.0
         # A hang inside a collective needs a group its peers share but never use: made by every rank
         # (creating a group is itself collective) whenever any rank has such a fault configured.

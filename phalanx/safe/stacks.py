@@ -1,6 +1,7 @@
 """Python stacks of a stuck rank, captured before it is killed.
 
-Each rank registers faulthandler on SIGUSR1 at start, writing into its own file in RUN_DIR/stacks/.
+Each rank registers faulthandler on SIGUSR1 at start, writing into its own file in RUN_DIR/stacks/
+(RunDir.stack_file).
 faulthandler dumps from the C signal handler, so it works even while the rank is blocked inside a C++
 collective that never returns to Python.
 """
@@ -14,10 +15,6 @@ from pathlib import Path
 
 STACK_SIGNAL = signal.SIGUSR1
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-
-
-def stack_file(run_dir: Path, attempt: int, rank: int) -> Path:
-    return Path(run_dir) / "stacks" / f"attempt{attempt}-rank{rank}.txt"
 
 
 def register_stack_dump(path: Path):

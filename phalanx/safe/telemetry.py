@@ -1,6 +1,6 @@
 """Live hardware telemetry from the node agent: each accelerator and the host, every few seconds.
 
-Accelerators are read as the preflight reads them (phalanx/preflight/health.py): through `pynvml`
+Accelerators are read as the preflight reads them (phalanx/parallel/device_health.py): through `pynvml`
 (nvidia-ml-py) on NVIDIA or `amdsmi` on AMD, both optional; without them devices are not sampled
 (torch could read their memory, but only by opening a GPU context in the agent). The host (CPU, RAM,
 disk at the run directory) comes from psutil. Samples go to RUN_DIR/telemetry.jsonl and the node's
@@ -21,11 +21,11 @@ import psutil
 from rich.console import Console
 
 from phalanx.config.schema import ObserveSection
-from phalanx.preflight.health import read_health
-from phalanx.safe.events import EventSink
-from phalanx.train.metrics import json_safe
+from phalanx.parallel.device_health import read_health
+from phalanx.run.jsonl import append_line, json_safe
+from phalanx.run.layout import RunDir
+from phalanx.run.records import EventSink
 
-TELEMETRY_FILE = "telemetry.jsonl"
 DEVICE_FIELDS = ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",
                  "ecc_uncorrectable")
 # An alert re-arms only once its reading is back this far inside the limit (a fraction of the limit),
@@ -93,7 +93,7 @@ class TelemetrySampler:
                   "devices": device_sample()}
         self.latest = record
         self._check_alerts(record)  # first: a full disk must still raise its alert
-        _append_line(self.run_dir / TELEMETRY_FILE, json.dumps(json_safe(record)))
+        append_line(RunDir(self.run_dir).telemetry, json.dumps(json_safe(record)))
         return record
 
     def _check_alerts(self, record: dict[str, Any]) -> None:
@@ -118,12 +118,3 @@ class TelemetrySampler:
                                  threshold=abs(limit))
             elif value <= limit - REARM_MARGIN * abs(limit):
                 self._alerting.discard(key)
-
-
-def _append_line(path: Path, line: str) -> None:
-    # One write() with O_APPEND: agents of several nodes may share the file on a shared file system.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)

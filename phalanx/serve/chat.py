@@ -24,8 +24,7 @@ class ChatBackend(Protocol):
 class LocalChat:
     def __init__(self, path: Path, options: dict[str, Any], device: str, context: int | None):
         from phalanx.serve.engine import Engine
-        from phalanx.serve.ollama_schema import DEFAULTS
-        from phalanx.serve.options import InvalidOptions, SamplingOptions
+        from phalanx.serve.options import DEFAULTS, InvalidOptions, SamplingOptions
         from phalanx.serve.served import load_served_model
         from phalanx.serve.server import pick_device
 

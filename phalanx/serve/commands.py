@@ -1,7 +1,8 @@
-"""The command-line front of phalanx serve and phalanx chat (issue 5): register() adds its commands to the main typer app."""
+"""The command-line front of phalanx serve and phalanx chat: register() adds its commands to the main typer app."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -12,6 +13,40 @@ ApiKeyOpt = typer.Option(None, "--api-key", envvar="PHALANX_API_KEY", show_envva
 
 
 def register(app: typer.Typer) -> None:
+    @app.command()
+    def generate(
+        path: Path = typer.Argument(..., metavar="RUN_DIR|CHECKPOINT|EXPORT_DIR",
+                                    help="A run directory (its newest checkpoint), a checkpoint, or an HF export."),
+        prompt: str = typer.Argument("", help="Text to continue."),
+        max_new_tokens: int = typer.Option(200, "--max-new-tokens", min=1),
+        temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0,
+                                                    help="0 picks the likeliest token. [default: 0.8]"),
+        top_k: Optional[int] = typer.Option(None, "--top-k", min=0,
+                                            help="Sample among the k likeliest tokens (0: all). [default: 40]"),
+        top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0,
+                                              help="Sample among the likeliest tokens holding this much "
+                                                   "probability. [default: 0.9]"),
+        repeat_penalty: Optional[float] = typer.Option(None, "--repeat-penalty", min=0.0,
+                                                       help="Penalise the last 64 tokens (1: off). [default: 1.1]"),
+        seed: Optional[int] = typer.Option(None, "--seed", help="Fix the sampling for repeatable output."),
+        device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    ) -> None:
+        """Print the prompt and the text a trained model writes after it.
+
+        Decoded by the serving engine with the servers' defaults, so `generate` and `serve` agree."""
+        from phalanx.serve.generate import generate as generate_from
+        from phalanx.serve.generate import generate_options
+
+        options = generate_options(max_new_tokens, seed, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   repeat_penalty=repeat_penalty)
+        pieces = generate_from(path, prompt, options, device)
+        first = next(pieces, "")  # loads the model: errors come before any output
+        sys.stdout.write(prompt + first)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
     @app.command()
     def serve(
         path: Path = typer.Argument(..., metavar="RUN_DIR|EXPORT_DIR",

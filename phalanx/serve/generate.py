@@ -1,53 +1,53 @@
-"""Load a trained run for inference and sample text from its newest checkpoint."""
+"""`phalanx generate`: continue one prompt through the serving engine with a single slot, so the command
+line and the servers share one decode path, one sampler and one set of defaults (options.DEFAULTS)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-from tokenizers import Tokenizer
-
-from phalanx.data.tokenizer import load_tokenizer, special_ids
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs, Transformer
-from phalanx.models.sampling import generate
-from phalanx.train.checkpoint import latest_checkpoint, load_model_weights, read_trainer_state
-from phalanx.train.run_dir import checkpoints_dir
+from phalanx.serve.engine import Engine, PromptTooLong
+from phalanx.serve.options import DEFAULTS, InvalidOptions, SamplingOptions
+from phalanx.serve.served import ServedModel, load_served_model
 
 
-@dataclass
-class LoadedModel:
-    model: Transformer
-    tokenizer: Tokenizer
-    checkpoint: Path
-
-
-def load_run(run_dir: Path, device: torch.device | str = "cpu") -> LoadedModel:
-    """The model of a run's newest checkpoint (or of a checkpoint directory given directly)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise PhalanxError(f"run directory not found: {run_dir}")
-    checkpoint = run_dir if (run_dir / "trainer.json").is_file() else latest_checkpoint(checkpoints_dir(run_dir))
-    if checkpoint is None:
-        raise PhalanxError(f"{run_dir} has no checkpoint yet; train it first (phalanx train)")
-    tokenizer_path = run_dir / "tokenizer.json" if checkpoint != run_dir else run_dir.parent.parent / "tokenizer.json"
+def generate_options(max_new_tokens: int, seed: int | None, **given: float | int | None) -> SamplingOptions:
+    """DEFAULTS with what the user gave (None: not given)."""
+    chosen = {k: v for k, v in given.items() if v is not None}
     try:
-        args = ModelArgs(**read_trainer_state(checkpoint)["model_args"])
-    except (KeyError, TypeError):
-        raise PhalanxError(f"checkpoint {checkpoint} has no usable model_args in its trainer.json") from None
-    model = Transformer(args)
-    load_model_weights(checkpoint, model)
-    return LoadedModel(model.to(device).eval(), load_tokenizer(tokenizer_path), checkpoint)
+        return SamplingOptions(**{**DEFAULTS, **chosen, "seed": seed, "max_tokens": max_new_tokens})
+    except InvalidOptions as e:
+        raise PhalanxError(str(e)) from None
 
 
-def generate_text(loaded: LoadedModel, prompt: str, max_new_tokens: int, temperature: float,
-                  top_k: int | None, seed: int | None) -> str:
-    """The prompt followed by what the model writes after it (up to its end-of-text token)."""
-    tok = loaded.tokenizer
-    bos, eos = special_ids(tok)
-    prompt_ids = [bos] + tok.encode(prompt).ids
-    new_ids = generate(loaded.model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                       eos_id=eos)
-    # Decoded together: a character split across the prompt/completion boundary still comes out whole.
-    return tok.decode(prompt_ids + new_ids, skip_special_tokens=True)
+def generate_text(served: ServedModel, prompt: str, options: SamplingOptions) -> Iterator[str]:
+    """The text the model writes after `prompt` (framed as in training: BOS, then the text), piece by
+    piece, up to its end-of-text token or options.max_tokens."""
+    ids = served.text_prompt_ids(prompt)
+    context = served.loaded.model.args.max_seq_len
+    if options.max_tokens is not None and len(ids) + options.max_tokens > context:
+        room = context - len(ids)
+        hint = f"use --max-new-tokens {room} or less" if room > 0 else "shorten the prompt"
+        raise PhalanxError(f"a prompt of {len(ids)} tokens plus {options.max_tokens} new ones exceeds the model's "
+                           f"max_seq_len {context}; {hint}")
+    engine = Engine(served.loaded.model, served.loaded.tokenizer, slots=1, max_queue=0)
+    engine.start()
+    try:
+        try:
+            stream = engine.submit(ids, options)
+        except PromptTooLong as e:
+            raise PhalanxError(str(e)) from None
+        yield from stream
+        if stream.finish.reason == "error":
+            raise PhalanxError(stream.finish.error or "generation failed")
+    finally:
+        engine.stop()
+
+
+def generate(path: Path, prompt: str, options: SamplingOptions, device: str = "auto") -> Iterator[str]:
+    """Load the model at `path` (run, checkpoint or HF export) and continue `prompt`."""
+    from phalanx.serve.server import pick_device
+
+    torch_device, dtype = pick_device(device, "auto")
+    yield from generate_text(load_served_model(path, torch_device, dtype), prompt, options)

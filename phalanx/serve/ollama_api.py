@@ -126,10 +126,10 @@ def ollama_router(served: ServedModel, engine: Engine) -> APIRouter:
         stops = "".join(f"stop {json.dumps(s)}\n" for s in served.chat_stops)
         return {
             "modelfile": f"# served by phalanx {phalanx.__version__} from {served.source}\n"
-                         f"FROM {served.source}\nTEMPLATE {json.dumps(served.template)}\n"
+                         f"FROM {served.source}\nTEMPLATE {json.dumps(served.loaded.chat_template)}\n"
                          + "".join(f"PARAMETER {line}\n" for line in stops.splitlines()),
             "parameters": stops,
-            "template": served.template,
+            "template": served.loaded.chat_template,
             "details": served.details(),
             "model_info": {
                 "general.architecture": "llama", "general.parameter_count": served.parameters,

@@ -12,11 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from phalanx.serve.http_common import ApiError, StrictModel, sampling_options
-from phalanx.serve.options import SamplingOptions
-
-# Ollama's defaults where a request leaves an option out (its Modelfile defaults, llama.cpp's values).
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1,
-            "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+from phalanx.serve.options import DEFAULTS, SamplingOptions
 
 
 class OllamaOptions(StrictModel):

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# phalanx's defaults where a request (or `phalanx generate`, or `phalanx chat`) leaves an option out:
+# Ollama's (its Modelfile defaults, which are llama.cpp's). The OpenAI front uses OpenAI's own instead.
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1,
+            "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 

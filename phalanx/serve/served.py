@@ -13,19 +13,16 @@ from typing import Any
 
 import torch
 
+from phalanx.data.chat_template import CHAT_STOP, render_chat
 from phalanx.data.tokenizer import BOS
-from phalanx.errors import PhalanxError
-from phalanx.serve.chat_template import CHAT_STOP, CHAT_TEMPLATE, render_chat
-from phalanx.serve.generate import LoadedModel, load_run
+from phalanx.run.model_loader import LoadedModel, load_model
 
 
 @dataclass
 class ServedModel:
     name: str  # as clients ask for it; "NAME" and "NAME:latest" are the same model when NAME has no tag
     loaded: LoadedModel
-    template: str
     source: Path
-    format: str  # "safetensors" (an HF export) or "dcp" (a run's checkpoint)
     load_seconds: float
     loaded_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
@@ -59,7 +56,7 @@ class ServedModel:
     def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the conversation rendered with the chat template, ready for the assistant's turn."""
         try:
-            text = render_chat(messages, bos_token=BOS, template=self.template)
+            text = render_chat(messages, bos_token=BOS, template=self.loaded.chat_template)
         except Exception as e:  # jinja2's errors from a template that came with an export
             raise ValueError(f"the chat template could not render these messages: {e}") from None
         return self.loaded.tokenizer.encode(text, add_special_tokens=False).ids
@@ -71,7 +68,7 @@ class ServedModel:
 
     def details(self) -> dict[str, Any]:
         """Ollama's `details` object."""
-        return {"parent_model": "", "format": self.format, "family": "llama", "families": ["llama"],
+        return {"parent_model": "", "format": self.loaded.format, "family": "llama", "families": ["llama"],
                 "parameter_size": _human_count(self.parameters),
                 "quantization_level": _DTYPE_NAMES.get(next(self.loaded.model.parameters()).dtype, "unknown")}
 
@@ -89,19 +86,8 @@ def _human_count(n: int) -> str:
 def load_served_model(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                       name: str | None = None) -> ServedModel:
     """A run directory (its newest checkpoint), a checkpoint directory, or an HF export directory."""
-    from phalanx.export.export import export_name
-    from phalanx.export.hf import is_hf_export, load_hf_export, read_chat_template
-
-    path = Path(path)
-    if not path.exists():
-        raise PhalanxError(f"{path} does not exist: give a run directory, a checkpoint or an HF export directory")
     started = time.perf_counter()
-    if is_hf_export(path):
-        loaded, template, fmt = load_hf_export(path, device), read_chat_template(path) or CHAT_TEMPLATE, "safetensors"
-    else:
-        loaded, template, fmt = load_run(path, device), CHAT_TEMPLATE, "dcp"
+    loaded = load_model(path, device)
     if dtype is not None:
         loaded.model.to(dtype)
-    if name is None:
-        name = export_name(path.resolve(), loaded.checkpoint)  # a checkpoint is named after its run
-    return ServedModel(name, loaded, template, path.resolve(), fmt, time.perf_counter() - started)
+    return ServedModel(name or loaded.name, loaded, Path(path).resolve(), time.perf_counter() - started)

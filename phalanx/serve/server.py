@@ -24,7 +24,8 @@ def check_listen(host: str, api_key: str | None) -> None:
 
 def pick_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """The trainer's choice (parallel/device.py): the GPU with bf16 if there is one, else CPU in float32."""
-    from phalanx.parallel.device import compute_dtype, pick_device as pick_torch_device
+    from phalanx.parallel.device import compute_dtype
+    from phalanx.parallel.device import pick_device as pick_torch_device
 
     if device not in ("auto", "cpu", "cuda") or dtype not in ("auto", *DTYPES):
         raise PhalanxError(f"--device must be auto|cpu|cuda and --dtype auto|{'|'.join(DTYPES)} "

@@ -30,26 +30,32 @@ from phalanx.models.llama import Transformer
 from phalanx.parallel.apply import gradient_sync, parallelize
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib
 from phalanx.parallel.distributed import DistEnv, all_reduce_sum, init_distributed, teardown
-from phalanx.safe.events import JsonlEventSink
+from phalanx.run.checkpoints import (
+    check_model_shape,
+    list_checkpoints,
+    newest_valid_checkpoint,
+    read_trainer_state,
+    verify_checkpoint,
+)
+from phalanx.run.jsonl import JsonlSink, MetricsSink, NullSink, json_safe
+from phalanx.run.layout import RunDir, step_dir_name
+from phalanx.run.prepare import prepared_data
+from phalanx.run.records import JsonlEventSink
 from phalanx.safe.heartbeat import Heartbeat
 from phalanx.safe.inject import FaultInjector
 from phalanx.safe.numerics import NumericsGuard
-from phalanx.safe.stacks import register_stack_dump, stack_file
+from phalanx.safe.stacks import register_stack_dump
 from phalanx.safe.stragglers import ComputeClock, StragglerDetector
-from phalanx.train.checkpoint import (Checkpointer, check_model_shape, list_checkpoints, newest_valid_checkpoint,
-                                      read_trainer_state, verify_checkpoint)
+from phalanx.train.checkpoint import Checkpointer
 from phalanx.train.evaluate import Evaluator
-from phalanx.train.metrics import JsonlSink, MetricsSink, NullSink, ProgressLine, json_safe
 from phalanx.train.optim import build_optimizer, clip_gradients, lr_at
-from phalanx.train.run_dir import checkpoints_dir, prepared_data, rank_timings_file
-
-SUMMARY_FILE = "summary.json"
+from phalanx.train.progress import ProgressLine
 
 
 def train(config: Config, attempt: int = 0) -> dict[str, Any]:
     """Run (or resume) the configured training on this rank; returns the run summary."""
     env = init_distributed(config.parallel.strategy, config.parallel.backend, config.parallel.device)
-    stacks = register_stack_dump(stack_file(config.run_dir, attempt, env.rank))
+    stacks = register_stack_dump(RunDir(config.run_dir).stack_file(attempt, env.rank))
     clean = False
     try:
         # Model and optimizer live only inside the Trainer, released before the group is destroyed.
@@ -68,6 +74,7 @@ class Trainer:
         self.started = time.perf_counter()
         self.config, self.env, self.tc, self.safe = config, env, config.train, config.safe
         self.run_dir = config.run_dir
+        run = RunDir(self.run_dir)
         self.heartbeat = Heartbeat(env.local_rank, enabled=self.safe.heartbeats)
         self.heartbeat.beat("start", 0)
         self.events = JsonlEventSink(self.run_dir)
@@ -91,20 +98,19 @@ class Trainer:
                                   tc.micro_batch_size, env.rank, env.world_size, tc.seed,
                                   pin_memory=env.device.type == "cuda")
         self.evaluator = Evaluator(TokenDataset(data.val_shards, tc.seq_len), tc, env, self.autocast)
-        self.checkpointer = Checkpointer(checkpoints_dir(self.run_dir), config.checkpoint.keep, env)
+        self.checkpointer = Checkpointer(run.checkpoints, config.checkpoint.keep, env)
         self.guard = NumericsGuard(self.safe.spike_zscore, self.safe.spike_window)
         self.clock = ComputeClock(env.device)
         self.stragglers = StragglerDetector(self.safe.straggler_window, self.safe.straggler_threshold,
                                             self.safe.straggler_min_ms / 1000, env)
-        self.faults = FaultInjector(self.safe.inject, env.rank, self.events, self.run_dir, self.heartbeat,
-                                    checkpoints_dir(self.run_dir))
+        self.faults = FaultInjector(self.safe.inject, env.rank, self.events, self.run_dir, self.heartbeat)
 
         self.tokens_per_step = tc.global_batch_size * tc.seq_len
         self.fpt = flops_per_token(self.args, tc.seq_len)
         self.peak = tc.peak_tflops or peak_tflops(device_name(env.device))
-        self.sink: MetricsSink = JsonlSink(self.run_dir / "metrics.jsonl") if env.is_main else NullSink()
+        self.sink: MetricsSink = JsonlSink(run.metrics) if env.is_main else NullSink()
         # Every rank's own timings, for the store's rank-by-step heatmap (one small line per step).
-        self.rank_sink = JsonlSink(rank_timings_file(self.run_dir, env.rank))
+        self.rank_sink = JsonlSink(run.rank_timings(env.rank))
         self.node = socket.gethostname()
         self.state: dict[str, Any] = {}
         self.last_checkpoint: str | None = None
@@ -222,7 +228,7 @@ class Trainer:
         state = {"loader": self.loader.state_dict(), "model_args": dataclasses.asdict(self.args),
                  "world_size": self.env.world_size, "numerics_recent": list(self.guard.recent),
                  **{k: self.state.get(k) for k in ("val_loss_start", "val_loss", "train_loss")}}
-        path = self.checkpointer.root / f"step_{step:08d}"
+        path = self.checkpointer.root / step_dir_name(step)
         for tries in range(2 if final else 1):  # the last save gets one retry: no later interval comes
             t0 = time.perf_counter()
             result = self.checkpointer.save(step, self.model, self.optimizer, state,
@@ -297,7 +303,7 @@ class Trainer:
         }
         summary = json_safe(summary)
         if self.env.is_main:
-            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+            RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=1))
         return summary
 
 
@@ -305,7 +311,7 @@ def resume_path(config: Config, env: DistEnv, events: JsonlEventSink | None = No
     """The checkpoint the ranks continue from, the same on every rank, on any attempt.
 
     The run directory's newest sound checkpoint: with `checkpoint.resume` set to `never` or a path, the
-    launcher moved older ones aside (run_dir.start_timeline), so whatever is there was written by this
+    launcher moved older ones aside (run.prepare.start_timeline), so whatever is there was written by this
     launch, and restarts or a re-formed group continue from it. With none there, `never` starts at step
     0 and a path loads that checkpoint. Rank 0 checks candidates against their manifests, sets corrupt
     ones aside (an event each) and shares its choice.
@@ -315,7 +321,7 @@ def resume_path(config: Config, env: DistEnv, events: JsonlEventSink | None = No
         def report(path: Path, reason: str) -> None:
             if events is not None:
                 events.emit("checkpoint_corrupt", rank=0, path=str(path), reason=reason)
-        found[0] = newest_valid_checkpoint(checkpoints_dir(config.run_dir), report) or explicit_checkpoint(config)
+        found[0] = newest_valid_checkpoint(RunDir(config.run_dir).checkpoints, report) or explicit_checkpoint(config)
     if env.distributed:
         dist.broadcast_object_list(found, src=0)
     return found[0]
@@ -336,11 +342,11 @@ def explicit_checkpoint(config: Config) -> Path | None:
 def check_run(config: Config, data: PreparedData) -> None:
     """What the ranks would refuse, checked once before they start, so it is one line from the launcher:
     the model's shape, data enough for a sequence, and the shape of the checkpoint it would resume
-    (the newest whose trainer.json reads; the ranks verify its files)."""
+    (the newest whose trainer state reads; the ranks verify its files)."""
     args = dataclasses.asdict(model_args(config.model, data.vocab_size, config.train.seq_len))
     TokenDataset(data.train_shards, config.train.seq_len, "the training split")
     TokenDataset(data.val_shards, config.train.seq_len, "the validation split")
-    for path in reversed(list_checkpoints(checkpoints_dir(config.run_dir))):
+    for path in reversed(list_checkpoints(RunDir(config.run_dir).checkpoints)):
         try:
             read_trainer_state(path)
         except PhalanxError:

@@ -57,7 +57,7 @@ def test_corrupt_checkpoint_named_explicitly(tiny_args):
 
 
 def test_generate_without_a_trained_run(tmp_path):
-    assert "run directory not found" in fails("generate", str(tmp_path / "nothing"), "hi")
+    assert "nothing does not exist" in fails("generate", str(tmp_path / "nothing"), "hi")
     assert "no checkpoint yet" in fails("generate", str(tmp_path), "hi")
 
 

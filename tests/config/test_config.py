@@ -3,7 +3,8 @@ import json
 import pytest
 import yaml
 
-from phalanx.config.loader import load_config, save_resolved
+from phalanx.config.loader import load_config
+from phalanx.run.prepare import save_config
 from phalanx.errors import PhalanxError
 
 
@@ -91,7 +92,7 @@ def test_file_errors(tmp_path):
 
 def test_resolved_config_round_trips(tmp_path):
     config = load_config(None, ["train.max_steps=7", f"run.dir={tmp_path}"])
-    saved = save_resolved(config, config.run_dir)
+    saved = save_config(config, config.run_dir)
     assert saved == tmp_path / "demo" / "config.yaml"
     again = load_config(saved)
     assert again == config

@@ -17,8 +17,8 @@ from phalanx.export.gguf_export import PRE_TOKENIZER, PRE_TOKENIZER_REGEX, inter
 from phalanx.models.llama import Transformer, apply_rope, rope_tables
 from phalanx.data.tokenizer import BOS
 from phalanx.export.export import export_run
-from phalanx.serve.chat_template import CHAT_TEMPLATE, render_chat
-from phalanx.serve.generate import LoadedModel, load_run
+from phalanx.data.chat_template import CHAT_TEMPLATE, render_chat
+from phalanx.run.model_loader import LoadedModel, load_model
 
 PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?  'Tis 1597 -- café, naïve 東京.\n\nJULIET:"
 # Max abs logit difference, llama.cpp vs phalanx, with llama.cpp's KV cache in f32. Measured here (see
@@ -60,7 +60,7 @@ def field(reader: gguf.GGUFReader, key: str):
 
 
 def test_gguf_keys_and_tensors(run_dir, exports):
-    loaded = load_run(run_dir)
+    loaded = load_model(run_dir)
     args, tokenizer = loaded.model.args, loaded.tokenizer
     reader = gguf.GGUFReader(exports["f32"])
     assert field(reader, "general.architecture") == "llama"
@@ -142,7 +142,7 @@ def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
 
 def test_llama_cpp_tokenises_like_phalanx(run_dir, exports):
     llama_cpp = pytest.importorskip("llama_cpp")
-    tokenizer = load_run(run_dir).tokenizer
+    tokenizer = load_model(run_dir).tokenizer
     llm = llama_cpp.Llama(model_path=str(exports["f32"]), n_ctx=128, vocab_only=True, verbose=False)
     try:
         for text in (PROMPT, "  leading spaces,\ttabs\n\n\nand 12345 digits... ", "O Romeo, Romeo!"):
@@ -160,7 +160,7 @@ def test_llama_cpp_tokenises_like_phalanx(run_dir, exports):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_llama_cpp_logits_match_phalanx(run_dir, exports, dtype):
-    loaded = load_run(run_dir)
+    loaded = load_model(run_dir)
     ids = [0] + loaded.tokenizer.encode(PROMPT).ids
     ours, theirs = phalanx_logits(loaded.model, ids), llama_cpp_logits(exports[dtype], ids)
     diff = float(np.abs(ours - theirs).max())
@@ -171,7 +171,7 @@ def test_llama_cpp_logits_match_phalanx(run_dir, exports, dtype):
 
 def test_tied_model_uses_token_embd_for_output(run_dir, tmp_path):
     """A tied model has no `output` tensor; llama.cpp falls back to token_embd, with the same logits."""
-    loaded = load_run(run_dir)
+    loaded = load_model(run_dir)
     args = loaded.model.args
     torch.manual_seed(0)
     tied = Transformer(type(args)(**{**args.__dict__, "tie_embeddings": True})).eval()
@@ -199,7 +199,7 @@ def test_tokenizer_llama_cpp_would_split_differently_is_refused(run_dir, tmp_pat
 
     from phalanx.errors import PhalanxError
 
-    loaded = load_run(run_dir)
+    loaded = load_model(run_dir)
     loaded.tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     with pytest.raises(PhalanxError, match="GPT-2 split"):
         write_gguf(loaded, tmp_path / "model.gguf", "x")

@@ -1,5 +1,5 @@
 """Hugging Face export of a real tiny run: transformers loads it and computes phalanx's logits; the
-tokenizer and chat template come out identical; load_hf_export reads it back bit for bit."""
+tokenizer and chat template come out identical; load_model reads it back bit for bit."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from tests.helpers import phalanx, train_json
 from safetensors import safe_open
 
 from phalanx.data.tokenizer import BOS, EOS, special_ids
-from phalanx.export.hf import hf_state_dict, is_hf_export, load_hf_export, read_chat_template, write_hf_export
+from phalanx.export.hf import hf_state_dict, write_hf_export
+from phalanx.run.hf_format import is_hf_export, read_chat_template
 from phalanx.models.llama import Transformer
-from phalanx.serve.chat_template import CHAT_TEMPLATE, render_chat
-from phalanx.serve.generate import LoadedModel, load_run
+from phalanx.data.chat_template import CHAT_TEMPLATE, render_chat
+from phalanx.run.model_loader import LoadedModel, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,7 +52,7 @@ def phalanx_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
 
 
 def test_files_config_and_tensor_names(run_dir, export_dir):
-    loaded = load_run(run_dir)
+    loaded = load_model(run_dir)
     args = loaded.model.args
     config = json.loads((export_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
@@ -86,7 +87,7 @@ def test_transformers_logits_match_phalanx(run_dir, export_dir):
     model = transformers.LlamaForCausalLM.from_pretrained(export_dir, torch_dtype=torch.float32).eval()
     assert type(model) is transformers.LlamaForCausalLM
     tokenizer = transformers.AutoTokenizer.from_pretrained(export_dir)
-    loaded = load_run(run_dir)
+    loaded = load_model(run_dir)
 
     ids = tokenizer(PROMPT).input_ids
     assert ids == [0] + loaded.tokenizer.encode(PROMPT).ids  # BOS prepended, then exactly our ids
@@ -102,7 +103,7 @@ def test_transformers_logits_match_phalanx(run_dir, export_dir):
 def test_tokenizer_files_and_chat_template(run_dir, export_dir):
     tokenizer = transformers.AutoTokenizer.from_pretrained(export_dir)
     assert (tokenizer.bos_token, tokenizer.eos_token) == (BOS, EOS)
-    assert tokenizer.model_max_length == load_run(run_dir).model.args.max_seq_len
+    assert tokenizer.model_max_length == load_model(run_dir).model.args.max_seq_len
     spec = json.loads((export_dir / "tokenizer.json").read_text())
     specials = {t["content"] for t in spec["added_tokens"] if t["special"]}
     assert {BOS, EOS} <= specials
@@ -120,7 +121,7 @@ def test_tokenizer_files_and_chat_template(run_dir, export_dir):
 
 def test_load_hf_export_round_trip(run_dir, export_dir):
     assert is_hf_export(export_dir) and not is_hf_export(run_dir)
-    original, reloaded = load_run(run_dir), load_hf_export(export_dir)
+    original, reloaded = load_model(run_dir), load_model(export_dir)
     assert reloaded.checkpoint == export_dir and reloaded.model.args == original.model.args
     # The phalanx convention survives the trip: encode() adds no BOS, callers prepend it.
     assert reloaded.tokenizer.encode(PROMPT).ids == original.tokenizer.encode(PROMPT).ids
@@ -131,13 +132,13 @@ def test_load_hf_export_round_trip(run_dir, export_dir):
 def test_tied_model_shares_lm_head(export_dir):
     model = transformers.LlamaForCausalLM.from_pretrained(export_dir, torch_dtype=torch.float32)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    reloaded = load_hf_export(export_dir).model
+    reloaded = load_model(export_dir).model
     assert reloaded.output.weight is reloaded.tok_embeddings.weight
 
 
 def test_untied_model_and_half_precision(run_dir, tmp_path):
     """An untied model keeps lm_head.weight; f32, f16 and bf16 exports all load and keep its logits."""
-    loaded = load_run(run_dir)
+    loaded = load_model(run_dir)
     tokenizer, args = loaded.tokenizer, loaded.model.args
     torch.manual_seed(0)
     untied = Transformer(type(args)(**{**args.__dict__, "tie_embeddings": False})).eval()
@@ -159,7 +160,7 @@ def test_untied_model_and_half_precision(run_dir, tmp_path):
         print(f"HF {dtype} weights (computed in f32), untied, untrained: max abs diff {diff:.3g}, "
               f"logit std {ours.std().item():.3g}")
         assert diff < tolerance
-        reloaded = load_hf_export(out).model
+        reloaded = load_model(out).model
         assert reloaded.output.weight is not reloaded.tok_embeddings.weight
         assert torch.equal(reloaded.output.weight, hf_state_dict(untied, torch_dtype)["lm_head.weight"].float())
 

@@ -11,7 +11,8 @@ import sqlalchemy as sa
 from phalanx.errors import PhalanxError
 from phalanx.observe import tables
 from phalanx.observe.follower import RunFollower
-from phalanx.observe.store import RunStore, StoreError, store_url as make_store_url
+from phalanx.errors import StoreError
+from phalanx.observe.store import RunStore, store_url as make_store_url
 
 
 def test_migrated_schema_matches_the_table_definitions(store_url):

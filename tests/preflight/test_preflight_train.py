@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 
 from phalanx.observe.store import RunStore
-from phalanx.safe.events import read_events
+from phalanx.run.records import read_events
 from tests.helpers import phalanx, train_json
 
 NODE = socket.gethostname()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tests.helpers import losses_by_step, phalanx, train_json
 
-from phalanx.safe.events import read_events
+from phalanx.run.records import read_events
 
 # 60 steps of 2 ranks, a checkpoint every 10: the shape of the acceptance drill.
 DRILL = ["train.max_steps=60", "train.eval_interval=30", "checkpoint.interval=10", "checkpoint.keep=10",

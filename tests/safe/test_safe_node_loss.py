@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import TINY
 from tests.helpers import free_port, losses_by_step, wait_for_port
 
-from phalanx.safe.events import read_events
+from phalanx.run.records import read_events
 
 
 def children(pid: int) -> list[int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from phalanx.config.schema import ObserveSection
-from phalanx.safe.events import JsonlEventSink, read_events
+from phalanx.run.records import JsonlEventSink, read_events
 from phalanx.safe.telemetry import TelemetrySampler
 
 

@@ -12,7 +12,7 @@ from phalanx.safe.heartbeat import ENV_FILE, Beat, Heartbeat, HeartbeatBoard
 from phalanx.safe.numerics import NumericsGuard
 from phalanx.safe.stacks import innermost_frame, register_stack_dump
 from phalanx.safe.watchdog import HangDetector
-from phalanx.train.checkpoint import newest_valid_checkpoint, verify_checkpoint, write_manifest
+from phalanx.run.checkpoints import newest_valid_checkpoint, verify_checkpoint, write_manifest
 
 
 def test_heartbeats_travel_through_the_shared_file(tmp_path, monkeypatch):

@@ -7,13 +7,13 @@ import httpx
 from serve_helpers import MODEL, InProcessServer
 
 from phalanx.export.hf import write_hf_export
-from phalanx.serve.generate import load_run
+from phalanx.run.model_loader import load_model
 
 
 def test_export_dir_serves_the_same_replies_as_its_run(served_run, server, tmp_path):
     export = tmp_path / "hf"
     export.mkdir()
-    write_hf_export(load_run(served_run), export)
+    write_hf_export(load_model(served_run), export)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Who is there?"}], "stream": False,
             "options": {"temperature": 0, "presence_penalty": 1.0, "num_predict": 12}}
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as http:

@@ -4,7 +4,7 @@ import json
 
 from tests.helpers import losses_by_step, phalanx, read_metrics, train_json
 
-from phalanx.train.checkpoint import latest_checkpoint, list_checkpoints
+from phalanx.run.checkpoints import latest_checkpoint, list_checkpoints
 
 SUMMARY_KEYS = {"run_dir", "steps", "tokens_seen", "val_loss_start", "val_loss_final", "train_loss_final",
                 "tokens_per_sec", "achieved_tflops", "mfu", "last_checkpoint", "wall_seconds"}

@@ -1,0 +1,39 @@
+"""The command-line front of the training step itself: `phalanx bench`."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from phalanx.console import JsonOpt, print_table
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def bench(
+        preset: str = typer.Argument("tiny", help="Model preset: tiny, 125m, 1b, 8b, 70b."),
+        seq_len: int = typer.Option(256, "--seq-len", min=1),
+        micro_batch: int = typer.Option(8, "--micro-batch", min=1),
+        steps: int = typer.Option(10, "--steps", min=1, help="Timed steps (the median is reported)."),
+        warmup: int = typer.Option(3, "--warmup", min=0),
+        device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+        dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32 or bfloat16."),
+        compile: bool = typer.Option(False, "--compile", help="torch.compile each block."),
+        activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing"),
+        peak_tflops: Optional[float] = typer.Option(None, "--peak-tflops", help="Device peak, for MFU on CPUs."),
+        json_out: bool = JsonOpt,
+    ) -> None:
+        """Time forward + backward + optimizer steps of a model preset on this device."""
+        from phalanx.errors import PhalanxError
+        from phalanx.train.bench import run_bench
+
+        if device not in ("auto", "cpu", "cuda") or dtype not in ("auto", "float32", "bfloat16"):
+            raise PhalanxError(f"--device must be auto|cpu|cuda and --dtype auto|float32|bfloat16 (got {device}, {dtype})")
+        result = run_bench(preset, seq_len, micro_batch, steps, warmup, device=device, dtype=dtype, compile=compile,
+                           activation_checkpointing=activation_checkpointing, peak=peak_tflops)
+        if json_out:
+            print(json.dumps(result))
+        else:
+            print_table(f"bench {preset}", result)
