@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from phalanx.data.shards import read_shard
+from phalanx.data.shards import VerifiedShard
 from phalanx.errors import PhalanxError
 
 
@@ -25,11 +25,10 @@ class TokenDataset:
         if seq_len < 1:
             raise PhalanxError(f"seq_len must be positive, got {seq_len}")
         self.seq_len = seq_len
-        self.shards = [read_shard(p) for p in shards]
+        self.shards = [VerifiedShard(p) for p in shards]  # each chunk checked the first time it is read
         windows = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self._ends = np.cumsum(windows, dtype=np.int64)  # window k lives in the first shard whose end > k
         self._starts = self._ends - np.asarray(windows, dtype=np.int64)
-        self._offsets = np.arange(seq_len + 1, dtype=np.int64)
         if len(self) == 0:
             total = sum(len(s) for s in self.shards)
             largest = max((len(s) for s in self.shards), default=0)
@@ -54,7 +53,7 @@ class TokenDataset:
         local = indices - self._starts[shard_of]
         for j in np.unique(shard_of):
             rows = shard_of == j
-            out[rows] = self.shards[j][(local[rows] * self.seq_len)[:, None] + self._offsets]
+            out[rows] = self.shards[j].windows(local[rows] * self.seq_len, self.seq_len + 1)
         return out
 
 

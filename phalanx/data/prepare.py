@@ -23,12 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from phalanx.data.corpus import iter_documents, resolve_sources, sources_fingerprint
-from phalanx.data.shards import ShardWriter
+from phalanx.data.shards import ShardWriter, VerifiedShard
 from phalanx.data.tokenizer import encode_documents, load_tokenizer, train_tokenizer
 from phalanx.errors import PhalanxError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards carry chunk checksums (data/shards.py)
 MANIFEST = "manifest.json"
+# Reused data this small is checked in full (about a second of CRC-32 per GiB) before anything trains on
+# it; larger data is checked chunk by chunk as the loader first reads each chunk.
+VERIFY_ON_REUSE_BYTES = 1 << 30
 
 
 @dataclass
@@ -82,7 +85,12 @@ def prepare_data(
     key = _cache_key(resolved, vocab_size, tokenizer_file, val_fraction, text_field)
     final = cache_root / key
     if (final / MANIFEST).is_file():
-        return PreparedData.load(final)
+        data = PreparedData.load(final)
+        shards = data.train_shards + data.val_shards
+        if sum(p.stat().st_size for p in shards if p.is_file()) <= VERIFY_ON_REUSE_BYTES:
+            for path in shards:
+                VerifiedShard(path).verify_all()
+        return data
 
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = cache_root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -107,14 +107,17 @@ def newest_valid_checkpoint(root: Path, on_corrupt) -> Path | None:
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Only the model's weights, into a plain single-device model (generate, export, serve)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from phalanx.run.safe_dcp import UnsafeCheckpointError, safe_load
 
     model_sd = model.state_dict()
     try:
         with warnings.catch_warnings():  # one process reading alone is the intent here, not a mistake
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": model_sd}, checkpoint_id=path)
+            safe_load({"model": model_sd}, path)
+    except UnsafeCheckpointError:
+        raise
     except (Exception, CheckpointException) as exc:
         raise PhalanxError(f"cannot load checkpoint {path}: {dcp_error_line(exc)}") from exc
     model.load_state_dict(model_sd)

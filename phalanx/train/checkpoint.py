@@ -31,6 +31,7 @@ from phalanx.run.checkpoints import (
     write_trainer_state,
 )
 from phalanx.run.layout import step_dir_name
+from phalanx.run.safe_dcp import UnsafeCheckpointError, safe_load
 
 
 class Checkpointer:
@@ -77,7 +78,9 @@ class Checkpointer:
         state = read_trainer_state(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         try:
-            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            safe_load({"model": model_sd, "optim": optim_sd}, path)
+        except UnsafeCheckpointError:
+            raise  # bad input (exit 2): restarting cannot make it safe
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
             raise CheckpointLoadError(f"cannot load checkpoint {path}: {dcp_error_line(exc)}") from exc
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
