@@ -117,7 +117,8 @@ def test_no_circle_between_folders():
 
 def test_the_rules_see_real_imports():
     """The graph is not empty by mistake: known edges are there (a parser that saw nothing would pass)."""
-    assert "phalanx.models.llama" in IMPORTS["phalanx.train.trainer"]
+    assert "phalanx.models.llama" in IMPORTS["phalanx.parallel.build"]
+    assert "phalanx.parallel.build" in IMPORTS["phalanx.train.trainer"]
     assert "phalanx.run.model_loader" in IMPORTS["phalanx.serve.served"]
     assert "phalanx.errors" in IMPORTS["phalanx.config.loader"]
     # an import inside a function counts too

@@ -25,7 +25,7 @@ from phalanx.data.chat_template import CHAT_TEMPLATE
 from phalanx.data.tokenizer import special_ids
 from phalanx.errors import PhalanxError
 from phalanx.export.tokenizer_files import ensure_special_tokens
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.llama import ModelArgs, Transformer, rope_frequency_divisors
 from phalanx.run.model_loader import LoadedModel
 
 GGUF_FILE = "model.gguf"
@@ -174,6 +174,9 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     for tensor_name, tensor in gguf_tensors(loaded.model):
         array, raw_dtype = _numpy_in(tensor, dtype)
         writer.add_tensor(tensor_name, array, raw_dtype=raw_dtype)
+    divisors = rope_frequency_divisors(args)
+    if divisors is not None:  # Llama 3.1 scaling: llama.cpp divides each RoPE frequency by these
+        writer.add_tensor("rope_freqs.weight", divisors.numpy().astype(np.float32))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -60,10 +60,10 @@ def hf_config(args: ModelArgs, bos_id: int, eos_id: int, dtype: torch.dtype) -> 
         "vocab_size": args.vocab_size,
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
-        # Older transformers read rope_theta at the top level, newer ones rope_parameters.
+        # Older transformers read rope_theta and rope_scaling at the top level, newer ones rope_parameters.
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": {"rope_theta": args.rope_theta, **(hf_rope_scaling(args) or {"rope_type": "default"})},
+        "rope_scaling": hf_rope_scaling(args),
         "tie_word_embeddings": args.tie_embeddings,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
@@ -76,6 +76,15 @@ def hf_config(args: ModelArgs, bos_id: int, eos_id: int, dtype: torch.dtype) -> 
         "use_cache": True,
         "torch_dtype": HF_DTYPE_NAMES[dtype],
     }
+
+
+def hf_rope_scaling(args: ModelArgs) -> dict | None:
+    """Llama 3.1 RoPE scaling as HF configs spell it (rope_type "llama3"), or None."""
+    if args.rope_scaling_factor == 1:
+        return None
+    return {"rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_seq_len}
 
 
 def write_hf_export(loaded: LoadedModel, out: Path, dtype: str = "f32") -> list[Path]:

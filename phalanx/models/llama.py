@@ -9,6 +9,7 @@ K kv heads, N heads of either kind, E head dim, V vocab.
 """
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,13 @@ class ModelArgs:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Llama 3.1 RoPE scaling (HF's rope_type "llama3"); a factor of 1 is none. Long wavelengths (beyond
+    # original_max_seq_len / low_freq_factor) are slowed by the factor, short ones (below
+    # original_max_seq_len / high_freq_factor) kept, and those between blended smoothly.
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
 
     def __post_init__(self):
         self.validate()
@@ -50,6 +58,10 @@ class ModelArgs:
             raise PhalanxError(f"model n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise PhalanxError(f"model head_dim (dim / n_heads) must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling_factor < 1 or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor \
+                or self.rope_original_max_seq_len <= 0:
+            raise PhalanxError("model RoPE scaling needs rope_scaling_factor >= 1, 0 < rope_low_freq_factor < "
+                               "rope_high_freq_factor and a positive rope_original_max_seq_len")
 
 
 class KVCache:
@@ -81,9 +93,33 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (max_seq_len, E), float32, in HF's layout: the E/2 frequencies repeated twice."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """The E/2 rotation frequencies of plain RoPE."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+
+def rope_frequency_divisors(args: ModelArgs, device=None) -> torch.Tensor | None:
+    """What Llama 3.1 scaling divides each frequency by (None without scaling). GGUF stores exactly these
+    as `rope_freqs`, so llama.cpp rotates by the same angles."""
+    if args.rope_scaling_factor == 1:
+        return None
+    inv_freq = rope_inverse_frequencies(args.head_dim, args.rope_theta, device)
+    wavelength = 2 * math.pi / inv_freq
+    factor, low, high, context = (args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor,
+                                  args.rope_original_max_seq_len)
+    smooth = ((context / wavelength - low) / (high - low)).clamp(0, 1)  # 0 at the long end, 1 at the short
+    divisors = 1.0 / ((1 - smooth) / factor + smooth)
+    divisors = torch.where(wavelength < context / high, torch.ones_like(divisors), divisors)
+    return torch.where(wavelength > context / low, torch.full_like(divisors, factor), divisors)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
+                divisors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (max_seq_len, E), float32, in HF's layout: the E/2 frequencies repeated twice.
+    `divisors` (rope_frequency_divisors) slow frequencies down for long contexts."""
+    inv_freq = rope_inverse_frequencies(head_dim, theta, device)
+    if divisors is not None:
+        inv_freq = inv_freq / divisors
     freqs = torch.outer(torch.arange(max_seq_len, device=device).float(), inv_freq)
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
@@ -112,9 +148,10 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD, cos_TE, sin_TE, kv_cache=None, start_pos: int = 0, positions_B=None):
         B, T, _ = x_BTD.shape
-        q_BHTE = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k_BKTE = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v_BKTE = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank projects only its share of the heads.
+        q_BHTE = self.wq(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k_BKTE = self.wk(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v_BKTE = self.wv(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         q_BHTE, k_BKTE = apply_rope(q_BHTE, cos_TE, sin_TE), apply_rope(k_BKTE, cos_TE, sin_TE)
         if positions_B is not None:
             return self.wo(self.attend_rows(q_BHTE, k_BKTE, v_BKTE, kv_cache, positions_B))
@@ -191,6 +228,23 @@ class TransformerBlock(nn.Module):
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
+def parameter_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """The generator parameter `name` draws its initial values from (see Transformer.init_weights)."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+
+
+@torch.no_grad()
+def init_parameter(tensor: torch.Tensor, name: str, rule: tuple[str, float], seed: int) -> None:
+    """Fill a whole (unsharded) tensor by its rule, from its own generator."""
+    kind, value = rule
+    if tensor.is_meta:
+        return  # nothing to fill until the model is materialised
+    if kind == "ones":
+        tensor.fill_(1.0)
+    else:
+        tensor.normal_(0.0, value, generator=parameter_generator(seed, name, tensor.device))
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -207,32 +261,45 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
         self.init_weights()
 
+    def init_rules(self) -> dict[str, tuple[str, float]]:
+        """How each parameter starts, by name: ("normal", std) or ("ones", 1.0). The one table for a
+        single-device model and a sharded one (parallel/materialize.py), so both start from the same
+        weights."""
+        std = 0.02
+        # GPT-2: each block adds two outputs to the residual stream, so shrink them to keep its variance flat.
+        residual_std = std / math.sqrt(2 * self.args.n_layers)
+        rules = {}
+        for name, _ in self.named_parameters():  # a tied output weight is listed once, as the embedding
+            if name.endswith("norm.weight"):
+                rules[name] = ("ones", 1.0)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                rules[name] = ("normal", residual_std)
+            else:
+                rules[name] = ("normal", std)
+        return rules
+
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Re-initialise every parameter and buffer; deterministic under torch.manual_seed."""
+    def init_weights(self, seed: int | None = None) -> None:
+        """Re-initialise every parameter and buffer. Each parameter draws from its own generator seeded
+        by `seed` (default: torch's current seed) and its name, so its values never depend on which other
+        parameters a rank holds or in which order they are made."""
         args = self.args
         if args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             # Module.to_empty replaces meta parameters one module at a time, which unties them.
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, self.rope_cos.device)
+        self.init_rope()
+        seed = torch.initial_seed() if seed is None else seed
+        params = dict(self.named_parameters())
+        for name, rule in self.init_rules().items():
+            init_parameter(params[name], name, rule, seed)
+
+    @torch.no_grad()
+    def init_rope(self) -> None:
+        args, device = self.args, self.rope_cos.device
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, device,
+                               rope_frequency_divisors(args, device))
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-
-        std = 0.02
-        # GPT-2: each block adds two outputs to the residual stream, so shrink them to keep its variance flat.
-        residual_std = std / math.sqrt(2 * args.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for layer in self.layers:
-            attn, ffn = layer.attention, layer.feed_forward
-            for linear in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
-                nn.init.normal_(linear.weight, mean=0.0, std=std)
-            for linear in (attn.wo, ffn.w2):
-                nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
-            nn.init.ones_(layer.attention_norm.weight)
-            nn.init.ones_(layer.ffn_norm.weight)
-        nn.init.ones_(self.norm.weight)
-        if not args.tie_embeddings:
-            nn.init.normal_(self.output.weight, mean=0.0, std=std)
 
     def forward(self, tokens_BT: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
                 positions_B: torch.Tensor | None = None) -> torch.Tensor:

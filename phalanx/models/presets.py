@@ -1,4 +1,5 @@
-"""Named model shapes. The Llama ones match Meta's published configs (without Llama 3.1+ RoPE scaling)."""
+"""Named model shapes. The Llama ones match Meta's published configs (1b, 8b and 70b without the RoPE
+scaling of their Llama 3.1/3.2 versions, at 8K context; 405b is Llama 3.1's, scaling and 128K included)."""
 
 import difflib
 
@@ -30,6 +31,12 @@ MODEL_PRESETS: dict[str, ModelArgs] = {
     "70b": ModelArgs(
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
         vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
+    ),
+    # Llama 3.1 405B, with its RoPE scaling for 128K tokens of context.
+    "405b": ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+        vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, tie_embeddings=False,
+        rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192,
     ),
 }
 

@@ -15,8 +15,9 @@ from torch import nn
 from phalanx.parallel.distributed import DistEnv
 
 
-def parallelize(model: nn.Module, strategy: str, env: DistEnv, *, activation_checkpointing: bool,
-                compile: bool, dtype: torch.dtype) -> nn.Module:
+def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bool) -> None:
+    """Activation checkpointing around each block, then torch.compile of each (in place, so parameter
+    names do not change)."""
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -25,15 +26,26 @@ def parallelize(model: nn.Module, strategy: str, env: DistEnv, *, activation_che
     if compile:
         for block in model.layers:
             block.compile()
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    # No buffer broadcast: the model's only buffers are RoPE tables derived from its shape, and the
+    # broadcast would put a collective into every forward.
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+
+
+def parallelize(model: nn.Module, strategy: str, env: DistEnv, *, activation_checkpointing: bool,
+                compile: bool, dtype: torch.dtype) -> nn.Module:
+    """A built model wrapped for `strategy` (bench and the planner's measurements; training builds its
+    model for a layout with parallel/build.py)."""
+    wrap_blocks(model, activation_checkpointing=activation_checkpointing, compile=compile)
     if not env.distributed:
         return model
     if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [env.device.index] if env.device.type == "cuda" else None
-        # No buffer broadcast: the model's only buffers are RoPE tables derived from its shape, and the
-        # broadcast would put a collective into every forward.
-        return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        return wrap_ddp(model, env.device)
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -37,6 +37,8 @@ def compute_dtype(preference: str, device: torch.device) -> torch.dtype:
     """bf16 autocast on GPUs, fp32 on CPU (CPU bf16 matmuls are slow on most hosts)."""
     if preference == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if preference == "float8":
+        return torch.bfloat16  # what everything but the float8 matmuls computes in
     return getattr(torch, preference)
 
 

@@ -20,6 +20,10 @@ class DistEnv:
     local_rank: int
     device: torch.device
     backend: str | None  # None: a single process, no process group
+    # This rank's data-parallel coordinate and their number (parallel/mesh.py): what batches are sliced
+    # by. Ranks that split one model (tensor parallelism) share one.
+    dp_rank: int = 0
+    dp_world: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -41,7 +45,7 @@ def init_distributed(strategy: str, backend: str, device: str) -> DistEnv:
         return DistEnv(0, 1, 0, dev, None)
     chosen = pick_backend(backend, dev)
     dist.init_process_group(chosen, device_id=dev if dev.type == "cuda" else None)
-    return DistEnv(rank, world_size, local_rank, dev, chosen)
+    return DistEnv(rank, world_size, local_rank, dev, chosen, dp_rank=rank, dp_world=world_size)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

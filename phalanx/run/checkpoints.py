@@ -68,19 +68,30 @@ def check_model_shape(path: Path, model_args: dict[str, Any]) -> None:
                            "use another run.name or checkpoint.resume=never")
 
 
-def write_manifest(path: Path) -> None:
-    files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
-             for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+def file_entry(path: Path) -> dict[str, Any]:
+    """A file's manifest entry: size and SHA-256."""
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def write_manifest(path: Path, files: dict[str, dict] | None = None) -> None:
+    """The manifest, written last: `files` as hashed already (by every rank in parallel, see
+    train/checkpoint.py), else every file in `path` hashed here."""
+    if files is None:
+        files = {f.name: file_entry(f) for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+    files = {name: files[name] for name in sorted(files) if name != MANIFEST}
     (path / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
-def verify_checkpoint(path: Path) -> str | None:
-    """Why the checkpoint cannot be trusted, or None when every file matches its manifest."""
+def verify_checkpoint(path: Path, part: tuple[int, int] = (0, 1)) -> str | None:
+    """Why the checkpoint cannot be trusted, or None when every file matches its manifest. `part`
+    (index, count) checks only every count-th file from index: ranks verify a checkpoint in parallel."""
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError):
         return "its manifest is missing or unreadable"
-    for name, expected in files.items():
+    index, count = part
+    for name in sorted(files)[index::count]:
+        expected = files[name]
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
@@ -91,17 +102,19 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
-def newest_valid_checkpoint(root: Path, on_corrupt) -> Path | None:
-    """The newest checkpoint that passes verification; corrupt ones are renamed out of the way
-    (`corrupt-step_N`) and reported through `on_corrupt(path, reason)`. Run on one rank only."""
+def newest_valid_checkpoint(root: Path, on_corrupt, verify=verify_checkpoint) -> Path | None:
+    """The newest checkpoint that passes `verify(path)`; corrupt ones are renamed out of the way
+    (`corrupt-step_N`) and reported through `on_corrupt(path, reason)`. The renaming is one rank's:
+    others pass on_corrupt=None and only take part in a collective `verify`."""
     for path in reversed(list_checkpoints(root)):
-        reason = verify_checkpoint(path)
+        reason = verify(path)
         if reason is None:
             return path
-        aside = path.with_name(f"corrupt-{path.name}")
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(path, aside)
-        on_corrupt(path, reason)
+        if on_corrupt is not None:
+            aside = path.with_name(f"corrupt-{path.name}")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+            on_corrupt(path, reason)
     return None
 
 

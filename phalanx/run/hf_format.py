@@ -69,8 +69,18 @@ def model_args_from_hf_config(config: dict, where: Path) -> ModelArgs:
     if config.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={config['hidden_act']}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        unsupported.append(f"rope_type={rope.get('rope_type', rope.get('type'))}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        unsupported.append(f"rope_type={rope_type}")
+    scaling = {}
+    if rope_type == "llama3":
+        try:
+            scaling = {"rope_scaling_factor": float(rope["factor"]), "rope_low_freq_factor": float(rope["low_freq_factor"]),
+                       "rope_high_freq_factor": float(rope["high_freq_factor"]),
+                       "rope_original_max_seq_len": int(rope["original_max_position_embeddings"])}
+        except (KeyError, TypeError, ValueError):
+            unsupported.append("a llama3 rope scaling without factor, low/high_freq_factor and "
+                               "original_max_position_embeddings")
     try:
         dim, n_heads = config["hidden_size"], config["num_attention_heads"]
         if (config.get("head_dim") or dim // n_heads) != dim // n_heads:  # null means the default
@@ -83,7 +93,7 @@ def model_args_from_hf_config(config: dict, where: Path) -> ModelArgs:
             vocab_size=config["vocab_size"], max_seq_len=config["max_position_embeddings"],
             rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)), **scaling,
         )
     except KeyError as e:
         raise PhalanxError(f"{where}/{CONFIG_FILE} lacks {e.args[0]!r}") from None

@@ -42,7 +42,9 @@ def account(events: list[dict], metrics: list[dict], wall_start: float, wall_end
         "redone": sum(m["step_seconds"] for i, m in enumerate(steps) if last_run[m["step"]] != i),
         "skipped": sum(m["step_seconds"] for m in kept if "skipped" in m),
         "eval": sum(m["eval_seconds"] for m in evals),
-        "checkpoint_save": _total(events, ("checkpoint_saved", "save_failed")),
+        # What saving stopped training for: all of a synchronous save, the staging of an asynchronous one.
+        "checkpoint_save": sum(e.get("stall_seconds", e.get("seconds", 0.0)) for e in events
+                               if e["kind"] in ("checkpoint_saved", "save_failed")),
         "checkpoint_load": _total(events, ("checkpoint_loaded",)),
         "startup": _startup(events, evals, wall_start),
         "detection": sum(e.get("stalled_for") or 0.0 for e in events if e["kind"] in FAILURES),

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +28,58 @@ from phalanx.errors import CheckpointLoadError
 from phalanx.parallel.distributed import DistEnv
 from phalanx.run.checkpoints import (
     dcp_error_line,
+    file_entry,
     list_checkpoints,
     read_trainer_state,
+    verify_checkpoint,
     write_manifest,
     write_trainer_state,
 )
-from phalanx.run.layout import step_dir_name
+from phalanx.run.layout import TRAINER_STATE, step_dir_name
 from phalanx.run.safe_dcp import UnsafeCheckpointError, safe_load
 
 
-class Checkpointer:
-    def __init__(self, root: Path, keep: int, env: DistEnv):
-        self.root, self.keep, self.env = root, keep, env
+@dataclass
+class SaveOutcome:
+    """How one save ended: its path, or why it failed; write_seconds from start to publish, stall_seconds
+    the time training stood still for it (all of it for a synchronous save, the staging copy for async)."""
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-             storage_writer=None) -> Path | str:
-        """The new checkpoint's path, or why the save failed: the same answer on every rank, whichever
-        rank hit the error, so all ranks go on training (or all stop) together."""
+    step: int
+    result: Path | str
+    write_seconds: float
+    stall_seconds: float
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    final: Path
+    state: dict[str, Any]
+    future: Future | None  # None: written synchronously
+    started: float
+    stall: float
+
+
+class Checkpointer:
+    """Saves in two halves, start() and finish(): a synchronous save does both at once; an asynchronous
+    one (checkpoint.async) stages the state to host memory in start() and writes it in a background
+    thread while training goes on, and a later finish() publishes it. Every rank calls both at the same
+    points (they are collective)."""
+
+    def __init__(self, root: Path, keep: int, env: DistEnv, asynchronous: bool = False):
+        self.root, self.keep, self.env, self.asynchronous = root, keep, env, asynchronous
+        self.pending: _Pending | None = None
+        # DCP plans an async save with collectives from its writer thread: they get a group of their own,
+        # so they never interleave with the training's collectives on the default group.
+        self._group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+
+    def start(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+              storage_writer=None) -> str | None:
+        """Begin saving step `step`; the reason it could not begin (the same on every rank), else None.
+        A save still pending is finished first: call finish() before to learn how it ended."""
+        assert self.pending is None, "finish() the previous save first"
+        started = time.perf_counter()
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
         error = None
@@ -51,28 +89,80 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
             except OSError as exc:
                 error = f"cannot create {tmp}: {exc.strerror}"
-        if (error := _agree(error)) is None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            try:
+        if (error := _agree(error)) is not None:
+            return error
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        future = None
+        try:
+            torch.save(_rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
+            if self.asynchronous:
+                future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
+                                        storage_writer=storage_writer, process_group=self._group)
+            else:
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, storage_writer=storage_writer)
-                torch.save(_rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
-            except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            error = dcp_error_line(exc)
+        if (error := _agree(error)) is not None:
+            self._discard(tmp)
+            return error
+        self.pending = _Pending(step, tmp, final, state, future, started, time.perf_counter() - started)
+        return None
+
+    def finish(self, wait: bool) -> SaveOutcome | None:
+        """Publish the pending save once every rank's part is written (waiting for it if `wait`); None
+        while it is still being written, or when nothing is pending. Collective while a save is pending."""
+        pending = self.pending
+        if pending is None:
+            return None
+        if pending.future is not None and not wait:
+            if not _all_ranks(pending.future.done(), self.env.device):
+                return None
+        stalled = time.perf_counter()
+        error = None
+        if pending.future is not None:
+            try:
+                pending.future.result()
+            except (Exception, CheckpointException) as exc:
                 error = dcp_error_line(exc)
-            error = _agree(error)
+        self.pending = None
+        if (error := _agree(error)) is None:
+            error = self._publish(pending)
+        stall = pending.stall + (time.perf_counter() - stalled if pending.future is not None and wait else 0.0)
+        return SaveOutcome(pending.step, pending.final if error is None else error,
+                           time.perf_counter() - pending.started, stall)
+
+    def _publish(self, pending: _Pending) -> str | None:
+        """Manifest (every rank hashes its share of the files), trainer state, atomic rename, rotation."""
+        try:
+            files = hash_files(pending.tmp, self.env)
+        except OSError as exc:
+            files, error = {}, f"cannot read back {pending.tmp}: {exc.strerror}"
+        else:
+            error = None
+        error = _agree(error)
         if error is None and self.env.is_main:
             try:
-                write_trainer_state(tmp, {**state, "step": step})
-                write_manifest(tmp)
-                _publish(tmp, final)
+                write_trainer_state(pending.tmp, {**pending.state, "step": pending.step})
+                files[TRAINER_STATE] = file_entry(pending.tmp / TRAINER_STATE)
+                write_manifest(pending.tmp, files)
+                _publish(pending.tmp, pending.final)
                 for old in list_checkpoints(self.root)[: -self.keep]:
                     shutil.rmtree(old, ignore_errors=True)
             except OSError as exc:
-                error = f"cannot publish {final}: {exc.strerror}"
+                error = f"cannot publish {pending.final}: {exc.strerror}"
         if (error := _agree(error)) is not None:
-            if self.env.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            return error
-        return final
+            self._discard(pending.tmp)
+        return error
+
+    def _discard(self, tmp: Path) -> None:
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+             storage_writer=None) -> Path | str:
+        """A whole save at once (waiting for the writes even in async mode): its path, or why it failed."""
+        error = self.start(step, model, optimizer, state, storage_writer)
+        return error if error is not None else self.finish(wait=True).result
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state = read_trainer_state(path)
@@ -101,6 +191,32 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def hash_files(path: Path, env: DistEnv) -> dict[str, dict]:
+    """Manifest entries of every file in `path`, each rank hashing its share (every world_size-th file)
+    in parallel, gathered on all ranks: hashing a large checkpoint never waits on one rank."""
+    names = sorted(f.name for f in path.iterdir() if f.is_file())
+    mine = {name: file_entry(path / name) for name in names[env.rank::env.world_size]}
+    if not dist.is_initialized():
+        return mine
+    parts: list[dict] = [{}] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def verify_in_parallel(path: Path, env: DistEnv) -> str | None:
+    """verify_checkpoint with every rank checking its share of the files; the first reason any rank found."""
+    return _agree(verify_checkpoint(path, (env.rank, env.world_size)))
+
+
+def _all_ranks(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank (one tiny all-reduce)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def _agree(error: str | None) -> str | None:

@@ -7,7 +7,7 @@ from phalanx.models.llama import Transformer
 from phalanx.models.presets import MODEL_PRESETS, get_preset
 
 # Meta's published sizes for the Llama 3 family.
-KNOWN_PARAMS = {"1b": 1_235_814_400, "8b": 8_030_261_248, "70b": 70_553_706_496}
+KNOWN_PARAMS = {"1b": 1_235_814_400, "8b": 8_030_261_248, "70b": 70_553_706_496, "405b": 405_853_388_800}
 
 
 @pytest.mark.parametrize("name", list(MODEL_PRESETS))
