@@ -3,6 +3,9 @@
 Names follow Prometheus conventions: a `phalanx_` prefix, base units in the name (`_seconds`, `_ratio`),
 `_total` for counters. Both collectors read state that exists anyway (the node agent's follower, the run
 store) at scrape time, so nothing is computed when no one scrapes.
+
+What only grows is a counter (tokens trained on, ECC errors, events): rate() and increase() over it
+answer "how fast" for any window, which a precomputed tokens-per-second gauge cannot.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ TRAIN_GAUGES = (
     ("phalanx_train_val_loss", "Newest validation loss", "val_loss"),
     ("phalanx_train_learning_rate", "Learning rate at the last step", "lr"),
     ("phalanx_train_grad_norm", "Gradient norm at the last step (before clipping)", "grad_norm"),
-    ("phalanx_train_tokens_per_second", "Tokens per second of the whole job at the last step", "tokens_per_sec"),
     ("phalanx_train_mfu_ratio", "Model FLOPs utilisation of one device (0-1) at the last step", "mfu"),
     ("phalanx_train_peak_memory_bytes", "Peak memory of rank 0", "peak_mem_bytes"),
     ("phalanx_train_ettr_ratio", "Effective training time ratio of this launch (productive / wall)", "ettr"),
+)
+# Counters of a training run: (name without _total, help, key in the follower's latest step record).
+TRAIN_COUNTERS = (
+    ("phalanx_train_tokens", ("Tokens trained on up to the last step (rate() of it: tokens per second of the "
+                              "whole job); it goes back with the step after a rollback"), "tokens_seen"),
 )
 # Counters from the event log: (name without _total, help, event kinds counted).
 EVENT_COUNTERS = (
@@ -51,6 +58,11 @@ class TrainingCollector(Collector):
             if last.get(key) is not None:
                 gauge.add_metric([run], float(last[key]))
             yield gauge
+        for name, help_text, key in TRAIN_COUNTERS:
+            counter = CounterMetricFamily(name, help_text, labels=["run"])
+            if last.get(key) is not None:
+                counter.add_metric([run], float(last[key]))
+            yield counter
         counts = state.get("counts", {})
         for name, help_text, kinds in EVENT_COUNTERS:
             counter = CounterMetricFamily(name, help_text, labels=["run"])
@@ -76,10 +88,13 @@ RUN_GAUGES = (
     ("phalanx_run_step", "Last completed optimizer step", "last_step"),
     ("phalanx_run_loss", "Training loss at the last step", "last_loss"),
     ("phalanx_run_val_loss", "Newest validation loss", "last_val_loss"),
-    ("phalanx_run_tokens_per_second", "Tokens per second at the last step", "tokens_per_sec"),
     ("phalanx_run_mfu_ratio", "Model FLOPs utilisation of one device (0-1)", "mfu"),
     ("phalanx_run_ettr_ratio", "Effective training time ratio (productive / wall)", "ettr"),
     ("phalanx_run_last_update_timestamp_seconds", "When the run last reported (Unix time)", "updated_at"),
+)
+# Per-run counters: (name without _total, help, key in the runs row).
+RUN_COUNTERS = (
+    ("phalanx_run_tokens", "Tokens trained on up to the last step (rate() of it: tokens per second)", "tokens_seen"),
 )
 RUN_STATUSES = ("running", "restarting", "finished", "failed", "stopped")
 
@@ -98,6 +113,12 @@ class StoreCollector(Collector):
                 if run.get(key) is not None:
                     gauge.add_metric([run["name"], str(run["id"])], float(run[key]))
             yield gauge
+        for name, help_text, key in RUN_COUNTERS:
+            counter = CounterMetricFamily(name, help_text, labels=["run", "id"])
+            for run in runs:
+                if run.get(key) is not None:
+                    counter.add_metric([run["name"], str(run["id"])], float(run[key]))
+            yield counter
         restarts = CounterMetricFamily("phalanx_run_restarts", "Restarts of the run's ranks", labels=["run", "id"])
         status = GaugeMetricFamily("phalanx_run_status", "1 for the run's current status",
                                    labels=["run", "id", "status"])
@@ -122,6 +143,9 @@ DEVICE_GAUGES = (
     ("phalanx_device_memory_total_bytes", "Accelerator memory", "memory_total_bytes"),
     ("phalanx_device_temperature_celsius", "Accelerator temperature", "temperature_c"),
     ("phalanx_device_power_watts", "Accelerator power draw", "power_w"),
+)
+# The driver's error counts only grow (until the driver reloads): counters, so increase() shows new ones.
+DEVICE_COUNTERS = (
     ("phalanx_device_ecc_uncorrectable_errors", "Uncorrectable ECC errors the driver reports", "ecc_uncorrectable"),
 )
 
@@ -140,9 +164,10 @@ class TelemetryCollector(Collector):
             if host.get(key) is not None:
                 gauge.add_metric([node], float(host[key]))
             yield gauge
-        for name, help_text, key in DEVICE_GAUGES:
-            gauge = GaugeMetricFamily(name, help_text, labels=["node", "device"])
-            for device in sample.get("devices", []):
-                if device.get(key) is not None:
-                    gauge.add_metric([node, str(device["device"])], float(device[key]))
-            yield gauge
+        for family, table in ((GaugeMetricFamily, DEVICE_GAUGES), (CounterMetricFamily, DEVICE_COUNTERS)):
+            for name, help_text, key in table:
+                metric = family(name, help_text, labels=["node", "device"])
+                for device in sample.get("devices", []):
+                    if device.get(key) is not None:
+                        metric.add_metric([node, str(device["device"])], float(device[key]))
+                yield metric

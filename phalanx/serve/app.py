@@ -1,12 +1,13 @@
 """The FastAPI app of `phalanx serve`: Ollama's and OpenAI's APIs over one engine, /health, /metrics.
 
-Middleware, outermost first: request counting (sees every answer, refusals included), then the API key
-check (every path but /health). Both are plain ASGI so streamed responses pass through untouched.
+Middleware, outermost first: request counting (sees every answer, refusals included), the guard against
+web pages (phalanx/http_guard.py: Host, Origin, JSON bodies, body time), then the API key check (every
+path but /health; failed keys are rate-limited per client). All plain ASGI, so streamed responses pass
+through untouched.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from phalanx.http_auth import FailedAuthLimiter, bearer_token, secret_matches
+from phalanx.http_guard import BODY_TIMEOUT_SECONDS, HttpGuard
 from phalanx.serve.engine import Engine
 from phalanx.serve.http_common import ApiError, error_response
 from phalanx.serve.metrics import ServeMetrics
@@ -51,23 +54,39 @@ class CountRequests:
 
 
 class RequireApiKey:
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: ASGIApp, api_key: str, limiter: FailedAuthLimiter | None = None):
+        self.app, self.api_key = app, api_key
+        self.limiter = limiter or FailedAuthLimiter()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            problem = "wrong API key" if given else "missing API key"
+        client = (scope.get("client") or ("",))[0]
+        wait = self.limiter.retry_after(client)
+        if wait is not None:  # refused before the key is even looked at: the answer tells a guesser nothing
+            error = ApiError(429, f"too many failed API keys from this address; try again in {wait} s",
+                             code="rate_limit_exceeded")
+            return await error_response(scope["path"], error, headers={"Retry-After": str(wait)})(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization")
+        if not secret_matches(bearer_token(header), self.api_key):
+            if header is not None:  # a key was tried; a client that sent none has guessed nothing
+                self.limiter.failed(client)
+            problem = "wrong API key" if header is not None else "missing API key"
             error = ApiError(401, f"{problem}: send the header 'Authorization: Bearer KEY'", code="invalid_api_key")
             response = error_response(scope["path"], error, headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
 
-def create_app(served: ServedModel, engine: Engine, metrics: ServeMetrics, api_key: str | None = None) -> FastAPI:
-    """The app; it starts the engine's thread when it starts and stops it when it stops."""
+def _guard_refusal(scope: Scope, status: int, message: str) -> Response:
+    codes = {403: "forbidden", 408: "request_timeout", 415: "unsupported_media_type"}
+    return error_response(scope["path"], ApiError(status, message, code=codes.get(status)))
+
+
+def create_app(served: ServedModel, engine: Engine, metrics: ServeMetrics, api_key: str | None = None,
+               allowed_hosts: tuple[str, ...] = (), body_timeout: float = BODY_TIMEOUT_SECONDS) -> FastAPI:
+    """The app; it starts the engine's thread when it starts and stops it when it stops. allowed_hosts:
+    Host names answered besides loopback names and IP addresses (phalanx/http_guard.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -116,5 +135,6 @@ def create_app(served: ServedModel, engine: Engine, metrics: ServeMetrics, api_k
                  if isinstance(getattr(route, "path", None), str) and "{" not in route.path}
     if api_key:
         app.add_middleware(RequireApiKey, api_key=api_key)
+    app.add_middleware(HttpGuard, allowed_hosts=allowed_hosts, refuse=_guard_refusal, body_timeout=body_timeout)
     app.add_middleware(CountRequests, metrics=metrics, endpoints=endpoints)  # added last: outermost
     return app

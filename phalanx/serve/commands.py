@@ -15,7 +15,7 @@ ApiKeyOpt = typer.Option(None, "--api-key", envvar="PHALANX_API_KEY", show_envva
 def register(app: typer.Typer) -> None:
     @app.command()
     def generate(
-        path: Path = typer.Argument(..., metavar="RUN_DIR|CHECKPOINT|EXPORT_DIR",
+        path: Path = typer.Argument(..., metavar="RUN_DIR|EXPORT_DIR",  # longer names do not fit 80 columns
                                     help="A run directory (its newest checkpoint), a checkpoint, or an HF export."),
         prompt: str = typer.Argument("", help="Text to continue."),
         max_new_tokens: int = typer.Option(200, "--max-new-tokens", min=1),
@@ -33,7 +33,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Print the prompt and the text a trained model writes after it.
 
-        Decoded by the serving engine with the servers' defaults, so `generate` and `serve` agree."""
+        Decoded by the serving engine with the servers' defaults, so `generate` and `serve` agree.
+
+        Examples:
+          phalanx generate runs/demo "ROMEO:" --max-new-tokens 100 --seed 0
+          phalanx generate exports/demo-hf "JULIET:" --temperature 0
+        """
         from phalanx.serve.generate import generate as generate_from
         from phalanx.serve.generate import generate_options
 
@@ -67,12 +72,21 @@ def register(app: typer.Typer) -> None:
         threads: Optional[int] = typer.Option(None, "--threads", min=1,
                                               help="CPU threads for the model (default: torch's, one per core)."),
         log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level (warning: no access log)."),
+        allowed_hosts: list[str] = typer.Option([], "--allowed-host", metavar="NAME", envvar="PHALANX_ALLOWED_HOSTS",
+                                                help="A Host name to answer besides loopback names, IP addresses "
+                                                     "and this machine's name (repeatable; .example.org: all "
+                                                     "names under it)."),
     ) -> None:
-        """Serve a model over Ollama's and OpenAI's HTTP APIs, batching concurrent requests."""
+        """Serve a model over Ollama's and OpenAI's HTTP APIs, batching concurrent requests.
+
+        Examples:
+        phalanx serve runs/demo
+        phalanx serve exports/demo-hf --port 8000 --slots 16
+        """
         from phalanx.serve.server import serve as run_server
 
         run_server(path, host, port, api_key or None, model_name, slots, max_queue, context, device, dtype, threads,
-                   log_level)
+                   log_level, tuple(allowed_hosts))
 
     @app.command()
     def chat(
@@ -89,11 +103,21 @@ def register(app: typer.Typer) -> None:
                                               help="The server's API key, if it needs one."),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda (a local model)."),
         context: Optional[int] = typer.Option(None, "--context", min=2, help="Context of a local model."),
+        verbose: bool = typer.Option(False, "--verbose", help="Token counts and speed after each reply."),
+        no_history: bool = typer.Option(False, "--no-history", help="Keep no history of typed lines."),
     ) -> None:
-        """Chat in the terminal: one line per turn, replies streamed; /bye or end of input ends it."""
+        """Chat in the terminal like `ollama run`: /? lists the commands, Ctrl-C stops a reply.
+
+        Replies stream as they are generated; /bye or Ctrl-D ends the chat. Piped in, each line is a turn.
+
+        Examples:
+          phalanx chat runs/demo --temperature 0.7
+          phalanx chat http://127.0.0.1:11434 --api-key KEY
+          phalanx chat runs/demo --seed 1 < questions.txt
+        """
         from phalanx.serve.chat import run_chat
 
         given: dict[str, Any] = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
                                  "num_predict": num_predict}
         run_chat(target, model, system, {k: v for k, v in given.items() if v is not None}, api_key or None, device,
-                 context)
+                 context, verbose=verbose, history=not no_history)

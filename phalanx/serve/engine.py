@@ -13,6 +13,10 @@ with the request's own generator.
 
 Callers hold a RequestStream: text pieces as they are decoded (whole characters, never part of a stop
 string), then one Finish with the reason and the counts and timings.
+
+No single request can stop the thread: a failure in one request's set-up, sampling or text decoding
+fails that request alone (reason "error"), and only a failed batched forward fails the requests of that
+step. Anything else that escapes a step fails what was running and the loop goes on.
 """
 
 from __future__ import annotations
@@ -246,12 +250,20 @@ class Engine:
                 free = [s for s in range(self.slots) if s not in self._active]
                 while self._waiting and len(joining) < len(free):
                     joining.append(self._waiting.popleft())
-            for slot, request in zip(free, joining):
-                self._join(slot, request)
-            for run in [r for r in self._active.values() if r.request.stream.cancelled]:
-                self._finish(run, "cancelled")
-            if self._active:
-                self._decode_step()
+            pending = deque(zip(free, joining))
+            try:
+                while pending:
+                    self._join(*pending.popleft())
+                for run in [r for r in self._active.values() if r.request.stream.cancelled]:
+                    self._finish(run, "cancelled")
+                if self._active:
+                    self._decode_step()
+            except Exception as e:  # a bug no request's own guard caught: fail what ran, keep the thread
+                log.exception("engine step failed")
+                for _, request in pending:
+                    self._finish_unstarted(request, "error", f"generation failed: {e}")
+                for run in list(self._active.values()):
+                    self._finish(run, "error", f"generation failed: {e}")
         with self._cond:
             left = list(self._active.values()), list(self._waiting)
             self._waiting.clear()
@@ -266,9 +278,14 @@ class Engine:
             return self._finish_unstarted(request, "cancelled")
         if request.limit == 0:
             return self._finish_unstarted(request, "length")
-        run = _Running(request, slot, len(request.prompt_ids),
-                       RequestSampler(request.options, request.prompt_ids, self.context, self.device),
-                       IncrementalText(self.tokenizer), StopMatcher(request.options.stop), time.perf_counter())
+        started = time.perf_counter()
+        try:
+            run = _Running(request, slot, len(request.prompt_ids),
+                           RequestSampler(request.options, request.prompt_ids, self.context, self.device),
+                           IncrementalText(self.tokenizer), StopMatcher(request.options.stop), started)
+        except Exception as e:  # options no validation caught (a seed torch cannot take, say)
+            log.exception("request set-up failed")
+            return self._finish_unstarted(request, "error", f"generation failed: {e}")
         with self._cond:
             self._active[slot] = run
         try:
@@ -291,15 +308,20 @@ class Engine:
             positions_N = torch.tensor(positions, dtype=torch.long, device=self.device)
             logits_NV = self.model(tokens_N1, self.cache, positions_B=positions_N)[:, 0].float()
             greedy = logits_NV.argmax(dim=-1).tolist()
+        except Exception as e:  # the batched forward itself: fail this step's requests, keep serving
+            log.exception("decode step failed")
             for run in runs:
+                self._finish(run, "error", f"generation failed: {e}")
+            return
+        for run in runs:  # each row on its own: one request's bad sample fails it alone
+            try:
                 token = greedy[run.slot] if run.sampler.greedy_without_penalties else run.sampler.pick(
                     logits_NV[run.slot])
                 run.position += 1
                 self._take(run, token)
-        except Exception as e:  # fail this step's requests, keep serving
-            log.exception("decode step failed")
-            for run in runs:
-                if run.slot in self._active:
+            except Exception as e:
+                log.warning("request in slot %d failed: %s", run.slot, e)
+                if self._active.get(run.slot) is run:
                     self._finish(run, "error", f"generation failed: {e}")
 
     def _take(self, run: _Running, token: int) -> None:
@@ -326,7 +348,10 @@ class Engine:
     def _finish(self, run: _Running, reason: str, error: str | None = None) -> None:
         stream = run.request.stream
         if reason != "error":
-            tail = run.stops.push(run.text.flush()) + run.stops.flush()
+            try:
+                tail = run.stops.push(run.text.flush()) + run.stops.flush()
+            except Exception as e:  # the last piece would not decode: the request still ends, as an error
+                reason, error, tail = "error", f"generation failed: {e}", ""
             if tail:
                 stream._deliver(tail)
         with self._cond:

@@ -1,6 +1,11 @@
 """What both HTTP fronts share: errors in each API's own shape, a size-limited JSON body, strict request
 models with clear messages, and the engine's refusals turned into statuses.
 
+Whatever a body holds is refused with a 400 naming the problem rather than reaching code that would
+fail on it: strings that are not Unicode (a lone surrogate such as "\\ud800", which JSON's escapes can
+spell but no tokenizer can encode), nesting deeper than MAX_JSON_DEPTH, integers beyond 64 bits and
+non-finite numbers (`1e309` parses to infinity).
+
 Ollama's errors are {"error": "message"}; OpenAI's are {"error": {"message", "type", "param", "code"}}.
 Which one a response uses follows from its path: /v1/... is OpenAI, everything else Ollama's.
 """
@@ -9,17 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.requests import ClientDisconnect
 
 from phalanx.serve.engine import Engine, PromptTooLong, QueueFull, RequestStream
 from phalanx.serve.options import InvalidOptions, SamplingOptions
 
 MAX_BODY_BYTES = 1 << 20
+MAX_JSON_DEPTH = 64  # requests nest a few levels; a 100,000-deep array would exhaust the parser's stack
 DISCONNECT_POLL_SECONDS = 0.1
+
+# An integer as Ollama (Go's int) and OpenAI (int64) read it: anything wider is refused, not wrapped.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None):
@@ -63,25 +74,60 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, 
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # gone, or too slow (phalanx.http_guard answers that one 408 itself)
+        raise ApiError(408, "the request body did not arrive in full") from None
     if not body:
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
         data = json.loads(body, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    check_json_tree(data)
     return data
+
+
+def check_json_tree(data: Any) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and strings that are not valid Unicode (walked without
+    recursion, so the check itself cannot run out of stack)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+            if isinstance(value, dict):
+                for key in value:
+                    _check_text(key)
+                stack.extend((v, depth + 1) for v in value.values())
+            else:
+                stack.extend((v, depth + 1) for v in value)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        raise ApiError(400, f"the request body holds a lone surrogate (\\u{ord(bad):04x}) in a string: not valid "
+                            "Unicode text; send each character whole (a surrogate pair, or the character itself)"
+                       ) from None
 
 
 class StrictModel(BaseModel):
     """Request bodies: unknown fields and wrong types are errors (no string-to-number coercion)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     # Fields the APIs define that phalanx cannot honour, with the "off" values clients may send anyway;
     # any other value is refused by name rather than quietly ignored.

@@ -124,9 +124,10 @@ def ollama_router(served: ServedModel, engine: Engine) -> APIRouter:
         check_model(body.requested)
         args = served.loaded.model.args
         stops = "".join(f"stop {json.dumps(s)}\n" for s in served.chat_stops)
+        # The source by its directory's name only: a client has no business knowing the server's paths.
         return {
-            "modelfile": f"# served by phalanx {phalanx.__version__} from {served.source}\n"
-                         f"FROM {served.source}\nTEMPLATE {json.dumps(served.loaded.chat_template)}\n"
+            "modelfile": f"# served by phalanx {phalanx.__version__}\n"
+                         f"FROM {served.source.name}\nTEMPLATE {json.dumps(served.loaded.chat_template)}\n"
                          + "".join(f"PARAMETER {line}\n" for line in stops.splitlines()),
             "parameters": stops,
             "template": served.loaded.chat_template,

@@ -3,6 +3,7 @@
 Fields phalanx cannot honour (images, tools, structured output, thinking, log-probabilities, a request's
 own template) are accepted only empty, as the official client sends some of them, and refused by name
 otherwise. keep_alive is accepted: the model stays loaded for the server's whole life in any case.
+Integers are 64-bit as Ollama (Go) reads them and numbers finite; the options' ranges are options.py's.
 """
 
 from __future__ import annotations
@@ -11,23 +12,23 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from phalanx.serve.http_common import ApiError, StrictModel, sampling_options
+from phalanx.serve.http_common import ApiError, Int64, StrictModel, sampling_options
 from phalanx.serve.options import DEFAULTS, SamplingOptions
 
 
 class OllamaOptions(StrictModel):
     temperature: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     top_p: float | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
+    repeat_last_n: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: list[str] | None = None
-    num_predict: int | None = None  # -1: until the context is full (-2 too)
-    num_ctx: int | None = Field(None, ge=1)  # narrows the server's context for this request, never widens it
+    num_predict: Int64 | None = None  # -1: until the context is full (-2 too)
+    num_ctx: Int64 | None = Field(None, ge=1)  # narrows the server's context for this request, never widens it
 
 
 class _OllamaRequest(StrictModel):
@@ -38,7 +39,7 @@ class _OllamaRequest(StrictModel):
     format: Any = None
     think: bool | str | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"format": ("",), "think": (False,), "logprobs": (False,),
                                                "top_logprobs": (0,)}
@@ -63,11 +64,11 @@ class GenerateRequest(_OllamaRequest):
     raw: bool = False
     suffix: str | None = None
     template: str | None = None
-    context: list[int] | None = None
+    context: list[Int64] | None = None
     images: list[str] | None = None
-    width: int | None = None
-    height: int | None = None
-    steps: int | None = None
+    width: Int64 | None = None
+    height: Int64 | None = None
+    steps: Int64 | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         **_OllamaRequest.UNSUPPORTED, "suffix": ("",), "template": ("",), "context": ([],), "images": ([],),

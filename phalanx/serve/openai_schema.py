@@ -3,7 +3,8 @@
 Beyond OpenAI's own sampling fields, top_k, min_p, repeat_penalty and repeat_last_n are accepted (as
 llama.cpp's and vLLM's servers do; the openai client sends them through `extra_body`). Fields phalanx
 cannot honour (tools, log-probabilities, logit bias, structured output, n > 1) are accepted only at
-their "off" value and refused by name otherwise.
+their "off" value and refused by name otherwise. Integers are int64 and numbers finite, temperature
+0 to 2 as OpenAI documents it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from phalanx.serve.http_common import ApiError, StrictModel, sampling_options
+from phalanx.serve.http_common import ApiError, Int64, StrictModel, sampling_options
 from phalanx.serve.options import SamplingOptions
 
 
@@ -24,21 +25,21 @@ class _OpenAIRequest(StrictModel):
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None  # an end-user id for the caller's own records; phalanx keeps none
-    n: int | None = None
+    n: Int64 | None = None
     logprobs: Any = None
     logit_bias: dict[str, Any] | None = None
     # Extensions (llama.cpp / vLLM servers).
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
+    repeat_last_n: Int64 | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"n": (1,), "logprobs": (False,), "logit_bias": ({},)}
 
@@ -76,9 +77,9 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
+    max_tokens: Int64 | None = Field(None, ge=1)
+    max_completion_tokens: Int64 | None = Field(None, ge=1)
+    top_logprobs: Int64 | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -100,10 +101,10 @@ class ChatCompletionRequest(_OpenAIRequest):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[str]
-    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions
+    max_tokens: Int64 | None = Field(16, ge=0)  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIRequest.UNSUPPORTED, "suffix": ("",), "best_of": (1,)}
 

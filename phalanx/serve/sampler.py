@@ -4,6 +4,9 @@ Each request samples with its own generator from its own row, so its tokens neve
 requests share the batch. Order: repeat/presence/frequency penalties on the raw logits (llama.cpp's
 formulas), then temperature, then top_k, top_p and min_p on the tempered distribution (Hugging Face's
 order), then one draw.
+
+A row whose logits are not finite (a model gone NaN, or options that got past validation) raises
+SamplingError for that request alone; the engine fails it and serves the others.
 """
 
 from __future__ import annotations
@@ -16,12 +19,21 @@ import torch
 from phalanx.serve.options import SamplingOptions
 
 
+class SamplingError(ValueError):
+    """This request's next-token distribution cannot be sampled (NaN or infinite values)."""
+
+
+BROKEN = ("the next-token distribution holds NaN or infinite values (the model's output, or the sampling "
+          "options, broke the arithmetic)")
+
+
 class RequestSampler:
     def __init__(self, options: SamplingOptions, prompt_ids: list[int], context: int, device: torch.device):
         self.options = options
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(options.seed if options.seed is not None else secrets.randbits(63))
-        window = context if options.repeat_last_n == -1 else options.repeat_last_n
+        # The window never reaches past the context (a huge repeat_last_n would not fit a deque's maxlen).
+        window = context if options.repeat_last_n == -1 else min(options.repeat_last_n, context)
         # The recent tokens the penalties look at, and how often each occurs among them.
         self.recent: deque[int] = deque(prompt_ids[-window:] if window else (), maxlen=window or 1)
         self.counts = Counter(self.recent) if window else Counter()
@@ -57,7 +69,9 @@ class RequestSampler:
         if o.temperature == 0:
             return int(logits_V.argmax())
 
-        logits_V = logits_V / o.temperature
+        # Shift the likeliest logit to 0 before tempering: the shape is unchanged, and a small temperature
+        # then sends the others towards -inf (probability 0) rather than overflowing to +inf (NaN).
+        logits_V = (logits_V - logits_V.max()) / o.temperature
         candidates = None  # token ids of the kept logits when top_k has narrowed them
         if 0 < o.top_k < logits_V.numel():
             logits_V, candidates = torch.topk(logits_V, o.top_k)  # sorted, likeliest first
@@ -71,5 +85,24 @@ class RequestSampler:
             probs = probs.masked_fill(drop, 0.0)
         if o.min_p > 0:
             probs = probs.masked_fill(probs < o.min_p * probs.max(), 0.0)
-        index = int(torch.multinomial(probs, 1, generator=self.generator))
+        index = self._draw(probs)
         return int(candidates[index]) if candidates is not None else index
+
+    def _draw(self, probs: torch.Tensor) -> int:
+        """One token from `probs`, or SamplingError if they are not a distribution. Softmax gives values
+        in [0, 1], so a NaN anywhere shows as a sum that is not positive."""
+        if probs.device.type == "cpu":  # reading a number back costs nothing here
+            if not float(probs.sum()) > 0:
+                raise SamplingError(BROKEN)
+            return int(torch.multinomial(probs, 1, generator=self.generator))
+        return self._draw_checked_on_device(probs)
+
+    def _draw_checked_on_device(self, probs: torch.Tensor) -> int:
+        """On a GPU a NaN handed to multinomial trips a device-side assert, fatal to the process: check on
+        the device and read the verdict back with the draw, in the one sync the draw costs anyway."""
+        broken = ~(probs.sum() > 0)
+        drawn = torch.multinomial(torch.where(broken, torch.ones_like(probs), probs), 1, generator=self.generator)
+        is_broken, index = torch.stack([broken.long(), drawn[0]]).tolist()
+        if is_broken:
+            raise SamplingError(BROKEN)
+        return index

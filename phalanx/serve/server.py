@@ -1,7 +1,8 @@
 """`phalanx serve`: check where it may listen, load the model, start the engine and run uvicorn.
 
-Secure by default: loopback only unless an API key guards every endpoint; the socket is bound before
-the model loads, so a taken port fails at once with one clear line.
+Secure by default: loopback only unless an API key (16 characters or more, as the dashboard's token)
+guards every endpoint; the socket is bound before the model loads, so a taken port fails at once with
+one clear line.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ from pathlib import Path
 import torch
 
 from phalanx.errors import PhalanxError
+from phalanx.http_auth import check_secret
+from phalanx.http_guard import server_hosts
 from phalanx.listen import bind, is_loopback
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_listen(host: str, api_key: str | None) -> None:
+    check_secret(api_key, "the API key (--api-key or PHALANX_API_KEY)")
     if not is_loopback(host) and not api_key:
         raise PhalanxError(f"refusing to listen on {host} without an API key: anyone who can reach it could use "
                            "the model; pass --api-key KEY (or set PHALANX_API_KEY), or keep --host 127.0.0.1")
@@ -36,7 +40,7 @@ def pick_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
 
 def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str | None, slots: int,
           max_queue: int, context: int | None, device: str, dtype: str, threads: int | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", allowed_hosts: tuple[str, ...] = ()) -> None:
     import uvicorn
 
     from phalanx.serve.app import create_app
@@ -57,7 +61,7 @@ def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str
     metrics = ServeMetrics()
     engine = Engine(served.loaded.model, served.loaded.tokenizer, slots=slots, max_queue=max_queue,
                     context=context, observer=metrics)
-    app = create_app(served, engine, metrics, api_key=api_key)
+    app = create_app(served, engine, metrics, api_key=api_key, allowed_hosts=server_hosts(host, allowed_hosts))
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     print(f"phalanx serve: model '{served.name}' ({served.parameters / 1e6:.1f}M parameters, {torch_dtype}, "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-API_KEY = "test-key-0123"
+API_KEY = "test-key-0123456789"  # 16+ characters, as `phalanx serve` requires
 MODEL = "tiny-test"
 # The tiny shape of tests/conftest.py's TINY, with a longer context so a request can run for a while
 # (the queue tests) and a prompt can overflow it; 4 steps of training are plenty to serve.
@@ -56,7 +56,7 @@ class InProcessServer:
     """The same app in a thread of the test process, for settings the shared server does not have."""
 
     def __init__(self, path: Path, slots: int, max_queue: int, api_key: str | None = None,
-                 name: str | None = MODEL):
+                 name: str | None = MODEL, **app_options):
         import uvicorn
 
         from phalanx.serve.app import create_app
@@ -69,7 +69,7 @@ class InProcessServer:
         metrics = ServeMetrics()
         self.engine = Engine(self.served.loaded.model, self.served.loaded.tokenizer, slots=slots,
                              max_queue=max_queue, observer=metrics)
-        app = create_app(self.served, self.engine, metrics, api_key=api_key)
+        app = create_app(self.served, self.engine, metrics, api_key=api_key, **app_options)
         self.sock = bind("127.0.0.1", 0)
         self.live = LiveServer(f"http://127.0.0.1:{self.sock.getsockname()[1]}", api_key)
         self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -41,4 +41,16 @@ def test_metrics_parse_and_count(server):
     assert after[ttft] - before[ttft] == 2
     assert after[("phalanx_serve_slots", ())] == 8
     assert after[("phalanx_serve_queue_depth", ())] == 0 and after[("phalanx_serve_active_slots", ())] == 0
-    assert after[("phalanx_serve_tokens_per_second", ())] > 0
+
+
+
+def test_throughput_is_counters_and_no_created_series(server):
+    """Tokens per second is rate() over the token counters, not a precomputed gauge; and no `_created`
+    series (a timestamp per counter that only doubles the series count)."""
+    with server.client() as http:
+        text = http.get("/metrics").text
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert families["phalanx_serve_generated_tokens"] == "counter"
+    assert families["phalanx_serve_prompt_tokens"] == "counter"
+    assert "phalanx_serve_tokens_per_second" not in families
+    assert "_created" not in text
