@@ -1,6 +1,7 @@
 """The dashboard web app: runs list, live run page, run comparison, their JSON API, and /metrics.
 
-Read-only over a RunStore (only GET routes, besides the /login form). Pages are Jinja2 templates with
+Reads a RunStore; the only writes are the /login and /logout forms and a run's tags and note (PATCH /api/runs/ID,
+JSON only, behind the token when there is one). Pages are Jinja2 templates with
 autoescaping; their scripts fetch the JSON API every few seconds, fill tables with textContent and
 hand the server-built figures (figures.py) to Plotly.react. plotly.js itself comes from the installed
 `plotly` package, so the dashboard works offline.
@@ -18,33 +19,43 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-import yaml
 from fastapi import FastAPI, Request
 from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phalanx.errors import PhalanxError, StoreError
+from phalanx.http_guard import BODY_TIMEOUT_SECONDS, HttpGuard
 from phalanx.listen import bind
 from phalanx.observe import auth
-from phalanx.observe.figures import compare_figures, run_figures
-from phalanx.observe.pages import compare_data, run_page_data
+from phalanx.observe.figures import chart_options
+from phalanx.observe.pages import compare_answer, run_answer
 from phalanx.observe.prom import StoreCollector
 from phalanx.observe.store import RunStore
 from phalanx.run.jsonl import json_safe
 
 WEB = Path(__file__).parent / "web"
 MAX_COMPARE = 20
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+MAX_ANNOTATION_BYTES = 16_384  # 20 tags and a 4,000-character note, JSON-escaped, fit with room to spare
 # Plotly injects its own <style> elements, hence 'unsafe-inline' for styles only; scripts are ours.
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
                                "img-src 'self' data: blob:; connect-src 'self'; frame-ancestors 'none'; "
                                "form-action 'self'; base-uri 'none'; object-src 'none'",
     "x-content-type-options": "nosniff",
-    "referrer-policy": "no-referrer",
+    # Nothing to other sites; the dashboard's own form posts keep their Origin (no-referrer makes it "null").
+    "referrer-policy": "same-origin",
 }
 
 
@@ -56,10 +67,14 @@ def plotly_js_path() -> Path:
     return path
 
 
-def create_app(store: RunStore, token: str | None = None) -> ASGIApp:
-    """The dashboard over `store`; with a token every route but /health and /login needs it."""
+def create_app(store: RunStore, token: str | None = None, allowed_hosts: tuple[str, ...] = (),
+               body_timeout: float = BODY_TIMEOUT_SECONDS) -> ASGIApp:
+    """The dashboard over `store`; with a token every route but /health, /login and /logout needs it.
+    allowed_hosts: Host names answered besides loopback names and IP addresses (phalanx/http_guard.py)."""
     plotly_js = plotly_js_path()
     templates = Environment(loader=FileSystemLoader(WEB / "templates"), autoescape=True)
+    sign_in = auth.DashboardAuth(token) if token is not None else None
+    disable_created_metrics()  # prometheus_client's switch is process-wide; phalanx wants them nowhere
     registry = CollectorRegistry(auto_describe=True)
     registry.register(StoreCollector(store))
     requests = Counter("phalanx_dashboard_requests", "HTTP requests the dashboard answered",
@@ -70,7 +85,8 @@ def create_app(store: RunStore, token: str | None = None) -> ASGIApp:
     app = FastAPI(title="phalanx dashboard", docs_url=None, redoc_url=None, openapi_url=None)
 
     def page(name: str, status: int = 200, **context: Any) -> HTMLResponse:
-        return HTMLResponse(templates.get_template(name).render(**context), status_code=status)
+        html = templates.get_template(name).render(token_required=sign_in is not None, **context)
+        return HTMLResponse(html, status_code=status)
 
     def error(request: Request, status: int, message: str) -> Response:
         if request.url.path.startswith("/api/"):
@@ -131,26 +147,53 @@ def create_app(store: RunStore, token: str | None = None) -> ASGIApp:
         return SafeJSONResponse({"now": time.time(), "runs": store.list_runs()})
 
     @app.get("/api/runs/{run_id}")
-    def api_run(request: Request, run_id: str) -> Response:
+    def api_run(request: Request, run_id: str, x: str | None = None, smooth: str | None = None,
+                log: str | None = None) -> Response:
         run = find(request, run_id)
         if isinstance(run, Response):
             return run
-        data = run_page_data(store, int(run_id))
-        config = data["run"].get("config")
-        data["config_yaml"] = yaml.safe_dump(config, sort_keys=False) if config is not None else None
-        data["figures"] = run_figures(data)
-        data["now"] = time.time()
-        return SafeJSONResponse(data)
+        try:
+            options = chart_options(x, smooth, log)
+        except ValueError as exc:
+            return error(request, 400, str(exc))
+        return SafeJSONResponse(run_answer(store, int(run_id), options))
+
+    @app.patch("/api/runs/{run_id}")
+    async def api_annotate(request: Request, run_id: str) -> Response:
+        """A run's tags and note. JSON only: a page on another site cannot send that without a CORS
+        preflight, which this app never answers, so it cannot edit runs through a visitor's browser."""
+        run = find(request, run_id)
+        if isinstance(run, Response):
+            return run
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            return error(request, 415, "send the tags and note as JSON (Content-Type: application/json)")
+        body = await request.body()
+        if len(body) > MAX_ANNOTATION_BYTES:
+            return error(request, 413, f"the request is {len(body)} bytes; at most {MAX_ANNOTATION_BYTES}")
+        try:
+            fields = json.loads(body)
+        except ValueError:
+            return error(request, 400, "the request body is not JSON")
+        if not isinstance(fields, dict) or not fields or set(fields) - {"tags", "note"}:
+            return error(request, 400, 'send a JSON object with "tags" (a list of strings) and/or "note" (a string)')
+        try:
+            return SafeJSONResponse(store.annotate(int(run_id), fields.get("tags"), fields.get("note")))
+        except StoreError:
+            raise
+        except PhalanxError as exc:
+            return error(request, 400, str(exc))
 
     @app.get("/api/compare")
-    def api_compare(request: Request, ids: str | None = None) -> Response:
+    def api_compare(request: Request, ids: str | None = None, x: str | None = None, smooth: str | None = None,
+                    log: str | None = None) -> Response:
         run_ids = find_many(request, ids)
         if isinstance(run_ids, Response):
             return run_ids
-        runs = compare_data(store, run_ids)
-        for entry in runs:
-            entry["run"].pop("config", None)  # not shown, and the largest part
-        return SafeJSONResponse({"runs": runs, "figures": compare_figures(runs)})
+        try:
+            options = chart_options(x, smooth, log)
+        except ValueError as exc:
+            return error(request, 400, str(exc))
+        return SafeJSONResponse(compare_answer(store, run_ids, options))
 
     # -- machines ------------------------------------------------------------------------------------
     @app.get("/metrics")
@@ -162,7 +205,7 @@ def create_app(store: RunStore, token: str | None = None) -> ASGIApp:
         store.schema_version()  # a StoreError if the store does not answer: 503
         return JSONResponse({"status": "ok"})
 
-    # -- login (the only route that is not a GET) ----------------------------------------------------
+    # -- login and logout (forms) --------------------------------------------------------------------
     @app.get("/login", response_class=HTMLResponse)
     def login_form(next: str | None = None) -> Response:
         if token is None:
@@ -171,13 +214,26 @@ def create_app(store: RunStore, token: str | None = None) -> ASGIApp:
 
     @app.post("/login")
     async def login(request: Request) -> Response:
-        if token is None:
+        if sign_in is None:
             return RedirectResponse("/", status_code=303)
+        client = auth.client_host(request.scope)
+        wait = sign_in.limiter.retry_after(client)
+        if wait is not None:
+            return auth.too_many_attempts(request.url.path, wait)
         offered, target = await auth.read_login_form(request)
-        if not auth.login_ok(token, offered):
+        if not sign_in.token_matches(offered):
+            sign_in.limiter.failed(client)
             return page("login.html", status=401, title="log in", next=auth.safe_next(target), failed=True)
         response = RedirectResponse(auth.safe_next(target), status_code=303)
-        auth.set_session_cookie(response, token, secure=request.url.scheme == "https")
+        sign_in.login(response, secure=request.url.scheme == "https")
+        return response
+
+    @app.post("/logout")
+    def logout(request: Request) -> Response:
+        """Forget this browser's session: its cookie opens nothing from now on, wherever it was copied."""
+        response = RedirectResponse("/login" if sign_in is not None else "/", status_code=303)
+        if sign_in is not None:
+            sign_in.logout(request, response)
         return response
 
     # -- static files: ours, and plotly.js from the plotly package -------------------------------------
@@ -187,13 +243,16 @@ def create_app(store: RunStore, token: str | None = None) -> ASGIApp:
                             headers={"cache-control": "private, max-age=86400"})
 
     app.mount("/static", StaticFiles(directory=WEB / "static"), name="static")
-    # A long run's page poll is ~300 KB of JSON (1,000-point curves), a third of that gzipped: it matters
-    # beyond loopback. Level 5 costs a few ms where 9 costs several times that for little gain.
+    # A long run's page poll is ~800 KB of JSON (1,000-point curves, 8 GPUs' charts), a tenth of that
+    # gzipped: it matters beyond loopback. Level 5 costs a few ms where 9 costs several times that for little gain.
     app.add_middleware(GZipMiddleware, minimum_size=4096, compresslevel=5)
 
     outer: ASGIApp = app
-    if token is not None:
-        outer = auth.TokenAuth(outer, token)
+    if sign_in is not None:
+        outer = auth.TokenAuth(outer, sign_in)
+    # Before the token check: a page on another site is refused whether or not it holds a credential.
+    outer = HttpGuard(outer, allowed_hosts, json_paths=lambda path: path.startswith("/api/"),
+                      body_timeout=body_timeout)
     return ObservedApp(outer, requests, latency)  # outermost: counts refused requests too
 
 
@@ -223,7 +282,9 @@ class ObservedApp:
         finally:
             route = getattr(scope.get("route"), "path", None) or ("/static" if scope["path"].startswith("/static/")
                                                                    else "unmatched")
-            self.requests.labels(scope["method"], route, str(status[0])).inc()
+            # Only the methods HTTP defines get their own label: any other word a client sends is "other".
+            method = scope["method"] if scope["method"] in KNOWN_METHODS else "other"
+            self.requests.labels(method, route, str(status[0])).inc()
             self.latency.labels(route).observe(time.perf_counter() - started)
 
 

@@ -27,11 +27,21 @@ def _register_dashboard(app: typer.Typer) -> None:
         token: str | None = typer.Option(
             None, "--token", metavar="TOKEN", envvar="PHALANX_DASHBOARD_TOKEN",
             help="Require this token (Bearer header or /login form) from every client."),
+        allowed_hosts: list[str] = typer.Option(
+            [], "--allowed-host", metavar="NAME", envvar="PHALANX_ALLOWED_HOSTS",
+            help="A Host name to answer besides loopback names, IP addresses and this machine's name "
+                 "(repeatable; .example.org: all names under it)."),
     ) -> None:
-        """Serve the web dashboard: runs, live curves, rank heatmap, events, goodput, /metrics."""
+        """Serve the web dashboard: runs, live curves, rank heatmap, events, goodput, /metrics.
+
+        Examples:
+        phalanx dashboard
+        phalanx dashboard --runs /scratch/runs --port 9000
+        """
         from pathlib import Path
 
         from phalanx.errors import PhalanxError
+        from phalanx.http_guard import server_hosts
         from phalanx.observe.app import bind, create_app, serve
         from phalanx.observe.auth import check_exposure
         from phalanx.observe.store import RunStore, redact
@@ -45,6 +55,6 @@ def _register_dashboard(app: typer.Typer) -> None:
         print(f"phalanx dashboard at http://{shown}:{sock.getsockname()[1]}/ (store {redact(run_store.url)}"
               f"{', token required' if token else ''}); Ctrl-C stops it", flush=True)
         try:
-            serve(create_app(run_store, token), sock)
+            serve(create_app(run_store, token, allowed_hosts=server_hosts(host, allowed_hosts)), sock)
         finally:
             run_store.close()

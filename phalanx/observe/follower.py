@@ -1,7 +1,8 @@
 """The node agent's copy of a run's plain files into the run store, Prometheus and TensorBoard.
 
 The ranks only append JSON lines (step metrics from rank 0, step timings from every rank, and events;
-phalanx/run/layout.py names the files), which costs them microseconds and never waits on a database. A thread in the node agent
+the node agents append their hardware samples; phalanx/run/layout.py names the files), which costs them
+microseconds and never waits on a database. A thread in the node agent
 reads what is new every `sync_interval_s` and writes it to the store in one transaction together with
 how far it read each file, so every line lands exactly once, across restarts and later launches. A
 store that is briefly unreachable only delays the copy (the lines wait in memory, /metrics and
@@ -21,7 +22,7 @@ from rich.console import Console
 
 from phalanx.errors import StoreError
 from phalanx.observe.store import RunStore
-from phalanx.run.layout import EVENTS, METRICS, RunDir
+from phalanx.run.layout import EVENTS, METRICS, TELEMETRY, RunDir
 from phalanx.safe.goodput import account
 
 GOODPUT_EVERY_S = 10.0
@@ -45,7 +46,8 @@ class RunFollower:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="phalanx-store-follower", daemon=True)
         self._goodput_at = 0.0
-        self._pending: tuple[list[dict], list[dict], list[dict]] = ([], [], [])  # metrics, rank records, events
+        # metrics, rank records, events, telemetry samples
+        self._pending: tuple[list[dict], list[dict], list[dict], list[dict]] = ([], [], [], [])
         self._warned: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -83,34 +85,36 @@ class RunFollower:
                 new[rel], offsets[rel] = _read_new_lines(self.run_dir / rel, self.offsets.get(rel, 0))
             except OSError as exc:  # a file system hiccup (NFS): try that file again next pass
                 self._warn(f"cannot read {rel}: {exc}")
-        metrics, events = new.pop(METRICS, []), new.pop(EVENTS, [])
+        metrics, events, telemetry = new.pop(METRICS, []), new.pop(EVENTS, []), new.pop(TELEMETRY, [])
         rank_records = [r for records in new.values() for r in records]
         with self._lock:
             self.offsets = offsets
             self._update_state(metrics, rank_records, events)
-            for pending, records in zip(self._pending, (metrics, rank_records, events)):
+            for pending, records in zip(self._pending, (metrics, rank_records, events, telemetry)):
                 pending.extend(records)
         if self.tensorboard is not None:
             _write_tensorboard(self.tensorboard, metrics)
         if self.store is None or not any(self._pending):
             return
         try:  # outside the lock: a slow database never holds up a /metrics scrape
-            self.store.ingest(self.run_id, *self._pending, offsets)
+            metrics, rank_records, events, telemetry = self._pending
+            self.store.ingest(self.run_id, metrics, rank_records, events, offsets, telemetry)
         except StoreError as exc:
             if exc.transient:  # down or locked: keep the lines for the next pass
                 self._warn(f"{exc}; will retry")
                 return
             # The database refuses these lines and always will: skip them (the plain files keep them).
             self._warn(f"{exc}; {sum(map(len, self._pending))} records not stored")
-        self._pending = ([], [], [])
+        self._pending = ([], [], [], [])
 
     def _files(self) -> list[str]:
-        return [METRICS, EVENTS, *RunDir(self.run_dir).rank_timing_names()]
+        return [METRICS, EVENTS, TELEMETRY, *RunDir(self.run_dir).rank_timing_names()]
 
     def _update_state(self, metrics: list[dict], rank_records: list[dict], events: list[dict]) -> None:
         for m in metrics:
             if "loss" in m:
-                self.last.update({k: m.get(k) for k in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu")})
+                self.last.update({k: m.get(k) for k in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu",
+                                                        "tokens_seen")})
                 if m.get("peak_mem_gib") is not None:
                     self.last["peak_mem_bytes"] = m["peak_mem_gib"] * 2**30
             if m.get("val_loss") is not None:

@@ -120,6 +120,7 @@ def sync_run_dir(store: RunStore, run_dir: Path) -> int:
     off, or elsewhere. A run already in the store is left alone; a run still training is refused."""
     from phalanx.config.loader import load_config
     from phalanx.run.lock import run_lock
+    from phalanx.run.resolved import resolved
 
     run = RunDir(run_dir)
     run_dir = run.path
@@ -130,7 +131,8 @@ def sync_run_dir(store: RunStore, run_dir: Path) -> int:
         raise PhalanxError(f"{run_dir} is already in the store as run {known}")
     with run_lock(run_dir):  # a run still training is refused: its own node agent is copying it
         config = load_config(str(run.config), [])
-        run_id = store.start_run(run_dir.name, run_dir, json.loads(config.model_dump_json()), config.model.preset,
+        stored = resolved(config, *_trained_with(run_dir, config))  # as `phalanx train` stores it
+        run_id = store.start_run(run_dir.name, run_dir, json.loads(stored.model_dump_json()), config.model.preset,
                                  None, config.train.max_steps, socket.gethostname())
         RunFollower(run_dir, run_dir.name, time.time(), store, run_id).sync()
         summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
@@ -139,3 +141,21 @@ def sync_run_dir(store: RunStore, run_dir: Path) -> int:
                                                                     "ettr")})
         store.finish_run(run_id, "finished" if summary and not summary.get("halted") else "stopped")
     return run_id
+
+
+def _trained_with(run_dir: Path, config) -> tuple[int | None, int | None]:
+    """(vocabulary, data-parallel ranks) the run trained with, as far as its directory still tells."""
+    from phalanx.parallel.mesh import resolve_layout
+    from phalanx.run.checkpoints import latest_checkpoint, read_trainer_state
+    from phalanx.run.prepare import prepared_data
+
+    try:
+        vocab = prepared_data(run_dir).vocab_size
+    except PhalanxError:
+        vocab = None
+    newest = latest_checkpoint(RunDir(run_dir).checkpoints)
+    try:
+        world = read_trainer_state(newest)["world_size"] if newest is not None else None
+        return vocab, resolve_layout(config.parallel, world).dp if world else None
+    except (PhalanxError, KeyError):
+        return vocab, None

@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.box import SIMPLE_HEAD
 from rich.console import Console
 from rich.table import Table
 
-from phalanx.console import JsonOpt
+from phalanx.console import JsonOpt, fitted_table
 
-runs_app = typer.Typer(no_args_is_help=True, help="List, inspect and compare runs in the run store.")
+runs_app = typer.Typer(no_args_is_help=True, help="List, inspect and compare runs in the run store.",
+                       epilog="Example: phalanx runs show demo")
 out = Console()
 
 RunsOpt = typer.Option(Path("runs"), "--runs", help="Runs root whose store file phalanx.db to read.")
@@ -28,27 +30,38 @@ def _open(runs: Path, store: str | None):
 
 @runs_app.command("list")
 def runs_list(runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
-    """Every run in the store, newest first."""
+    """Every run in the store, newest first (columns that do not fit the terminal are left out; --json has
+    every field).
+
+    Examples:
+    phalanx runs list
+    phalanx runs list --runs /scratch/runs --json
+    """
     rows = _open(runs, store).list_runs()
     if json_out:
         print(json.dumps(rows))
         return
-    table = Table(title=f"{len(rows)} runs")
-    for column in ("id", "name", "status", "model", "step", "loss", "val loss", "tok/s", "MFU", "ETTR", "restarts",
-                   "updated"):
-        table.add_column(column, justify="right" if column not in ("name", "status", "model") else "left")
-    for r in rows:
-        table.add_row(str(r["id"]), r["name"], r["status"], r["model"] or "-",
-                      f"{r['last_step'] or 0}/{r['max_steps'] or '?'}", _num(r["last_loss"]), _num(r["last_val_loss"]),
-                      _num(r["tokens_per_sec"], ",.0f"), _pct(r["mfu"]), _pct(r["ettr"]), str(r["restarts"]),
-                      _when(r["updated_at"]))
-    out.print(table)
+    columns = ["id", "name", "status", "model", "step", "loss", "val loss", "tok/s", "MFU", "ETTR", "restarts",
+               "updated"]
+    cells = [[str(r["id"]), r["name"], r["status"], r["model"] or "-", f"{r['last_step'] or 0}/{r['max_steps'] or '?'}",
+              _num(r["last_loss"]), _num(r["last_val_loss"]), _num(r["tokens_per_sec"], ",.0f"), _pct(r["mfu"]),
+              _pct(r["ettr"], ".0%"), str(r["restarts"]), _when(r["updated_at"], short=True)] for r in rows]
+    out.print(fitted_table(f"{len(rows)} runs", columns, cells, right=RIGHT,
+                           drop_first=("MFU", "restarts", "ETTR", "model", "val loss", "tok/s", "id"), console=out))
+
+
+RIGHT = ("id", "step", "loss", "val loss", "tok/s", "MFU", "ETTR", "restarts")
 
 
 @runs_app.command("show")
 def runs_show(name: str = typer.Argument(..., help="Run name (the newest of that name) or id."),
               runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
-    """One run: its state, goodput, nodes and events."""
+    """One run: its state, goodput, nodes and events.
+
+    Examples:
+    phalanx runs show demo
+    phalanx runs show 3 --json
+    """
     s = _open(runs, store)
     run = s.find_run(name)
     events, goodput = s.events(run["id"]), s.goodput(run["id"])
@@ -56,6 +69,8 @@ def runs_show(name: str = typer.Argument(..., help="Run name (the newest of that
         print(json.dumps({**run, "goodput": goodput, "events": events}))
         return
     table = Table(title=f"run {run['name']} (id {run['id']})", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")  # a long run directory wraps rather than being cut short
     for key in ("status", "dir", "model", "world_size", "nodes", "last_step", "max_steps", "last_loss", "last_val_loss",
                 "tokens_per_sec", "mfu", "restarts", "ettr", "error"):
         value = run[key]
@@ -69,20 +84,24 @@ def runs_show(name: str = typer.Argument(..., help="Run name (the newest of that
     out.print(table)
     notable = [e for e in events if e["kind"] not in ("checkpoint_saved", "attempt_started", "training_started")]
     if notable:
-        timeline = Table(title="events")
+        timeline = Table(title="events", box=SIMPLE_HEAD, pad_edge=False)
         for column in ("time", "kind", "rank", "details"):
-            timeline.add_column(column)
+            timeline.add_column(column, overflow="fold")
         for e in notable[-30:]:
             details = {k: v for k, v in e.items() if k not in ("time", "node", "rank", "kind")}
-            timeline.add_row(_when(e["time"]), e["kind"], "-" if e["rank"] is None else str(e["rank"]),
-                             json.dumps(details)[:100])
+            timeline.add_row(_when(e["time"], short=True), e["kind"], "-" if e["rank"] is None else str(e["rank"]),
+                             _details(details))
         out.print(timeline)
 
 
 @runs_app.command("compare")
 def runs_compare(names: list[str] = typer.Argument(..., help="Two or more run names or ids."),
                  runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
-    """Runs side by side: their results and the config keys in which they differ."""
+    """Runs side by side: their results and the config keys in which they differ.
+
+    Example:
+    phalanx runs compare demo demo-fsdp
+    """
     from phalanx.errors import PhalanxError
 
     if len(names) < 2:
@@ -109,15 +128,24 @@ def runs_compare(names: list[str] = typer.Argument(..., help="Two or more run na
 
 @runs_app.command("import")
 def runs_import(run_dirs: list[Path] = typer.Argument(..., help="Run directories to copy into the store."),
-                runs: Path = RunsOpt, store: Optional[str] = StoreOpt) -> None:
-    """Copy run directories trained without a store (or elsewhere) into the store."""
+                runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
+    """Copy run directories trained without a store (or elsewhere) into the store.
+
+    Example:
+    phalanx runs import runs/old-run --json
+    """
     from phalanx.observe.observer import sync_run_dir
     from phalanx.observe.store import RunStore
 
     s = RunStore.open(store, runs)
+    imported = []
     for run_dir in run_dirs:
         run_id = sync_run_dir(s, run_dir)
-        out.print(f"imported {run_dir} as run {run_id}")
+        imported.append({"run_dir": str(run_dir), "id": run_id})
+        if not json_out:
+            out.print(f"imported {run_dir} as run {run_id}")
+    if json_out:
+        print(json.dumps({"imported": imported}))
 
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -134,11 +162,31 @@ def _num(value: float | None, fmt: str = ".4g") -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
+def _pct(value: float | None, fmt: str = ".1%") -> str:
+    return "-" if value is None else format(value, fmt)
 
 
-def _when(timestamp: float | None) -> str:
+def _when(timestamp: float | None, short: bool = False) -> str:
     if timestamp is None:
         return "-"
-    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%m-%d %H:%M:%S" if short else "%Y-%m-%d %H:%M:%S")
+
+
+def _details(details: dict[str, Any], limit: int = 160) -> str:
+    """An event's details as `key value` pairs (numbers rounded, nested values compact), not escaped JSON."""
+    def show(value: Any) -> str:
+        if isinstance(value, float):
+            return format(value, ".4g")
+        if isinstance(value, str) and value[:1] in "{[":
+            try:
+                value = json.loads(value)  # a field that holds JSON text (a fault's spec)
+            except ValueError:
+                return value
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k} {show(v)}" for k, v in value.items()) + "}"
+        if isinstance(value, list):
+            return "[" + "; ".join(show(v) for v in value) + "]"
+        return "-" if value is None else str(value)
+
+    text = ", ".join(f"{k} {show(v)}" for k, v in details.items())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,4 +1,5 @@
-"""The run store: runs, their step metrics, per-rank timings, events and goodput, in one SQL database.
+"""The run store: runs, their step metrics, per-rank timings, events, goodput and hardware telemetry,
+in one SQL database.
 
 By default an SQLite file (WAL mode) in the runs root; any SQLAlchemy URL (PostgreSQL) lets several
 machines share one store. The schema is migrated to the newest version with Alembic when a store
@@ -24,6 +25,8 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError,
 
 from phalanx.errors import PhalanxError, StoreError
 from phalanx.observe import tables as t
+from phalanx.observe.redaction import redact as redact_secrets
+from phalanx.observe.redaction import redact_url
 
 STORE_FILE = "phalanx.db"
 MAX_RUN_ID = 2**31 - 1  # runs.id is a 32-bit integer column
@@ -31,7 +34,11 @@ MAX_RUN_ID = 2**31 - 1  # runs.id is a 32-bit integer column
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 STEP_FIELDS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "achieved_tflops", "peak_mem_gib",
-               "step_seconds", "compute_seconds", "eval_seconds")
+               "step_seconds", "compute_seconds", "eval_seconds", "tokens_seen")
+HOST_FIELDS = ("cpu_ratio", "load1", "memory_used_bytes", "memory_total_bytes", "disk_free_bytes")
+DEVICE_FIELDS = ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",
+                 "ecc_uncorrectable")
+MAX_TAGS, MAX_TAG_CHARS, MAX_NOTE_CHARS = 20, 40, 4000
 FAILURE_KINDS = ("worker_failed", "hang_detected", "restart", "regroup")
 
 
@@ -45,11 +52,8 @@ def store_url(spec: str | None, runs_root: Path) -> str:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    try:
-        return sa.engine.make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return "<unparseable store URL>"
+    """The URL without its password, for messages (the one rule of redaction.py)."""
+    return redact_url(url)
 
 
 class RunStore:
@@ -146,7 +150,8 @@ class RunStore:
         """Register a launch of the run in `run_dir` (a new run or a relaunch) as running; its id."""
         now, run_dir = time.time(), str(Path(run_dir).resolve())
         values = dict(name=_clip(name, 200), status="running", model=_clip(model, 200), world_size=world_size,
-                      config=json.dumps(config), max_steps=max_steps, updated_at=now, ended_at=None, error=None)
+                      config=json.dumps(redact_secrets(config)), max_steps=max_steps, updated_at=now, ended_at=None,
+                      error=None)
         for _ in range(2):  # a second try if another writer inserted the same directory in between
             try:
                 with self._begin() as conn:
@@ -174,10 +179,12 @@ class RunStore:
             return {path: position for path, position in rows}
 
     def ingest(self, run_id: int, metrics: list[dict], rank_records: list[dict], events: list[dict],
-               offsets: dict[str, int]) -> None:
-        """One transaction: new step metrics, per-rank timings and events, and how far each file was read."""
+               offsets: dict[str, int], telemetry: list[dict] = ()) -> None:
+        """One transaction: new step metrics, per-rank timings, events and hardware samples, and how far
+        each file was read."""
         now = time.time()
         with self._begin() as conn:
+            _insert_telemetry(conn, run_id, telemetry, now)
             if metrics:
                 conn.execute(t.steps.insert(), [_step_row(run_id, m) for m in metrics])
             if rank_records:
@@ -226,6 +233,24 @@ class RunStore:
             conn.execute(t.preflight.insert().values(run_id=run_id, node=node, time=time.time(), passed=int(passed),
                                                      results=json.dumps(results)))
 
+    def annotate(self, run_id: int, tags: list[str] | None = None, note: str | None = None) -> dict[str, Any]:
+        """Set a run's tags and/or note (None leaves one as it is); the run's tags and note after."""
+        values: dict[str, Any] = {}
+        if tags is not None:
+            values["tags"] = json.dumps(clean_tags(tags))
+        if note is not None:
+            if not isinstance(note, str):
+                raise PhalanxError("note must be a string")
+            if len(note) > MAX_NOTE_CHARS:
+                raise PhalanxError(f"note is {len(note)} characters; at most {MAX_NOTE_CHARS}")
+            values["note"] = note.strip() or None
+        self.run(run_id)  # a PhalanxError for a run that is not there
+        if values:
+            with self._begin() as conn:
+                conn.execute(t.runs.update().where(t.runs.c.id == run_id).values(**values))
+        run = self.run(run_id)
+        return {"tags": run["tags"], "note": run["note"]}
+
     def quarantine_node(self, node: str, reason: str, run: str | None = None) -> None:
         """Keep `node` out of later launches on this store (a newer reason replaces an older one)."""
         with self._begin() as conn:
@@ -255,7 +280,8 @@ class RunStore:
             if row is None:
                 raise PhalanxError(f"no run with id {run_id} in the store")
             run = _run_dict(row)
-            run["config"] = json.loads(row["config"]) if row["config"] else None
+            # Redacted again on the way out: rows an older phalanx stored kept their secrets.
+            run["config"] = redact_secrets(json.loads(row["config"])) if row["config"] else None
             run["nodes"] = list(conn.execute(sa.select(t.run_nodes.c.node).where(t.run_nodes.c.run_id == run_id)
                                              .order_by(t.run_nodes.c.joined_at)).scalars())
             return run
@@ -277,32 +303,61 @@ class RunStore:
                 raise PhalanxError(f"no run named {name_or_id!r} in the store (runs: {known})")
         return self.run(run_id)
 
-    def series(self, run_id: int, max_points: int = 1000) -> dict[str, list]:
+    def series(self, run_id: int, max_points: int = 1000, every_run: bool = False) -> dict[str, list]:
         """Training curves: every step, or past max_points an evenly spaced sample of steps (as TensorBoard
-        samples long runs), read through the (run_id, step) index so a long run answers as fast as a short one."""
+        samples long runs), read through the (run_id, step) index so a long run answers as fast as a short one.
+        A step run twice (before and after a restart) is one point, the mean of its runs at the time of its
+        newest; with every_run each run of it is a point of its own, in time order (a wall-time axis)."""
         c = t.steps.c
-        fields = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "peak_mem_gib", "step_seconds")
+        fields = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "achieved_tflops", "peak_mem_gib",
+                  "step_seconds", "tokens_seen")
         with self._connect() as conn:
             last = conn.execute(sa.select(sa.func.max(c.step)).where(c.run_id == run_id)).scalar() or 0
             where = [c.run_id == run_id, c.loss.is_not(None)]
             sample = _sample_steps(last, max_points, per_bin=1)
             if sample is not None:
                 where.append(c.step.in_(sample))
-            # A step run twice (before and after a restart) is one point: the mean of its runs.
-            rows = conn.execute(sa.select(c.step, *(sa.func.avg(c[f]) for f in fields)).where(*where)
-                                .group_by(c.step).order_by(c.step)).all()
-            val = conn.execute(sa.select(c.step, sa.func.avg(c.val_loss))
-                               .where(c.run_id == run_id, c.val_loss.is_not(None))
-                               .group_by(c.step).order_by(c.step)).all()
-        out: dict[str, list] = {"step": [r[0] for r in rows]}
-        for i, f in enumerate(fields, start=1):
+            validated = [c.run_id == run_id, c.val_loss.is_not(None)]
+            if every_run:
+                rows = conn.execute(sa.select(c.step, c.time, *(c[f] for f in fields)).where(*where)
+                                    .order_by(c.time, c.id)).all()
+                val = conn.execute(sa.select(c.step, c.time, c.val_loss).where(*validated)
+                                   .order_by(c.time, c.id)).all()
+            else:
+                rows = conn.execute(sa.select(c.step, sa.func.max(c.time), *(sa.func.avg(c[f]) for f in fields))
+                                    .where(*where).group_by(c.step).order_by(c.step)).all()
+                val = conn.execute(sa.select(c.step, sa.func.max(c.time), sa.func.avg(c.val_loss))
+                                   .where(*validated).group_by(c.step).order_by(c.step)).all()
+        out: dict[str, list] = {"step": [r[0] for r in rows], "time": [r[1] for r in rows]}
+        for i, f in enumerate(fields, start=2):
             out[f] = [r[i] for r in rows]
-        out["val_step"], out["val_loss"] = [r[0] for r in val], [r[1] for r in val]
+        out["val_step"], out["val_time"], out["val_loss"] = [r[0] for r in val], [r[1] for r in val], [r[2] for r in val]
         return out
 
-    def rank_heatmap(self, run_id: int, max_bins: int = 200, samples_per_bin: int = 5) -> dict[str, Any]:
+    def steps_at(self, run_id: int, times: list[float]) -> list[int]:
+        """For each time, the step the run had last logged by then (0 before its first): where an event
+        without a step of its own (a restart, a crash) happened, on a step axis."""
+        c = t.steps.c
+        query = (sa.select(c.step).where(c.run_id == run_id, c.time <= sa.bindparam("at"))
+                 .order_by(c.time.desc(), c.id.desc()).limit(1))  # through ix_steps_run_time
+        with self._connect() as conn:
+            return [conn.execute(query, {"at": at}).scalar() or 0 for at in times]
+
+    def telemetry(self, run_id: int, max_points: int = 500) -> dict[str, list[dict[str, Any]]]:
+        """Host and accelerator samples, one series per node (and device): every sample, or past
+        max_points an evenly spaced sample of them."""
+        with self._connect() as conn:
+            host = _telemetry_series(conn, t.host_telemetry, run_id, ("node",), HOST_FIELDS, max_points)
+            devices = _telemetry_series(conn, t.device_telemetry, run_id, ("node", "device"), DEVICE_FIELDS,
+                                        max_points)
+        return {"host": host, "devices": devices}
+
+    def rank_heatmap(self, run_id: int, max_bins: int = 200, samples_per_bin: int = 5,
+                     warmup_steps: frozenset[int] = frozenset()) -> dict[str, Any]:
         """Each rank's own compute time per step, or past max_bins per bin of steps (the mean of a few
-        evenly spaced steps in it): the straggler heatmap, rows ranks, columns the bins' last steps."""
+        evenly spaced steps in it): the straggler heatmap, rows ranks, columns the bins' last steps.
+        `range` is the least and greatest cell leaving out `warmup_steps` (the first step of each launch
+        compiles and allocates: many times slower, it would wash every other cell out to one colour)."""
         c = t.rank_steps.c
         with self._connect() as conn:
             last = conn.execute(sa.select(sa.func.max(c.step)).where(c.run_id == run_id)).scalar() or 0
@@ -313,14 +368,19 @@ class RunStore:
             rows = conn.execute(sa.select(c.step, c.rank, c.compute_seconds).where(*where)).all()
         stride = max(1, math.ceil(last / max_bins))
         cells: dict[tuple[int, int], list[float]] = {}
+        steady: dict[tuple[int, int], list[float]] = {}
         for step, rank, value in rows:
             if value is not None:
                 bin_end = min(last, ((step - 1) // stride + 1) * stride)
                 cells.setdefault((bin_end, rank), []).append(value)
+                if step not in warmup_steps:
+                    steady.setdefault((bin_end, rank), []).append(value)
         steps = sorted({s for s, _ in cells})
         ranks = sorted({r for _, r in cells})
         z = [[statistics.fmean(cells[(s, r)]) if (s, r) in cells else None for s in steps] for r in ranks]
-        return {"steps": steps, "ranks": ranks, "compute_seconds": z, "stride": stride}
+        means = [statistics.fmean(v) for v in steady.values()]
+        return {"steps": steps, "ranks": ranks, "compute_seconds": z, "stride": stride,
+                "range": [min(means), max(means)] if means else None}
 
     def events(self, run_id: int) -> list[dict[str, Any]]:
         with self._connect() as conn:
@@ -362,6 +422,69 @@ def _sample_steps(last: int, bins: int, per_bin: int) -> list[int] | None:
                    for offset in range(gap, stride + 1, gap)[:per_bin]})
 
 
+def clean_tags(tags: Any) -> list[str]:
+    """Tags as stored: a list of distinct short strings without commas (the dashboard's tag field splits
+    on them), in the order given. Anything else is a PhalanxError naming what is wrong."""
+    if not isinstance(tags, list) or not all(isinstance(tag, str) for tag in tags):
+        raise PhalanxError('tags must be a list of strings, e.g. ["baseline", "lr-sweep"]')
+    out = list(dict.fromkeys(tag.strip() for tag in tags if tag.strip()))
+    for tag in out:
+        if len(tag) > MAX_TAG_CHARS or "," in tag or not tag.isprintable():
+            raise PhalanxError(f"tag {tag[:60]!r} must be at most {MAX_TAG_CHARS} printable characters, without commas")
+    if len(out) > MAX_TAGS:
+        raise PhalanxError(f"{len(out)} tags; a run takes at most {MAX_TAGS}")
+    return out
+
+
+def _insert_telemetry(conn: sa.Connection, run_id: int, samples: list[dict], now: float) -> None:
+    """The node agents' samples: {"time", "node", "host": {...}, "devices": [{"device", ...}]}, each
+    numbered on from its node's newest sample in the run."""
+    host_rows, device_rows, last_seq = [], [], {}
+    h = t.host_telemetry.c
+    for sample in samples:
+        when, node = sample.get("time", now), _clip(str(sample.get("node") or "?"), 200)
+        if node not in last_seq:  # the run's newest rows, read backwards through (run_id, seq) to this node's
+            last_seq[node] = conn.execute(sa.select(h.seq).where(h.run_id == run_id, h.node == node)
+                                          .order_by(h.seq.desc()).limit(1)).scalar() or 0
+        last_seq[node] += 1
+        host = sample.get("host") if isinstance(sample.get("host"), dict) else {}
+        host_rows.append({"run_id": run_id, "seq": last_seq[node], "time": when, "node": node,
+                          **{f: _num(host.get(f)) for f in HOST_FIELDS}})
+        for device in sample.get("devices") or []:
+            if isinstance(device, dict) and isinstance(device.get("device"), int):
+                device_rows.append({"run_id": run_id, "seq": last_seq[node], "time": when, "node": node,
+                                    "device": device["device"], **{f: _num(device.get(f)) for f in DEVICE_FIELDS}})
+    if host_rows:
+        conn.execute(t.host_telemetry.insert(), host_rows)
+    if device_rows:
+        conn.execute(t.device_telemetry.insert(), device_rows)
+
+
+def _telemetry_series(conn: sa.Connection, table: sa.Table, run_id: int, keys: tuple[str, ...],
+                      fields: tuple[str, ...], max_points: int) -> list[dict[str, Any]]:
+    """One series per distinct `keys` (node, or node and device): time and each field of every sample,
+    or past max_points samples an evenly spaced sample of them (by seq, through the (run_id, seq)
+    index, as TensorBoard samples long runs), so a week of 5-second samples is still one small answer."""
+    c = table.c
+    last = conn.execute(sa.select(sa.func.max(c.seq)).where(c.run_id == run_id)).scalar() or 0
+    where = [c.run_id == run_id]
+    sample = _sample_steps(last, max_points, per_bin=1)
+    if sample is not None:
+        where.append(c.seq.in_(sample))
+    key_columns = [c[k] for k in keys]
+    query = sa.select(*key_columns, c.time, *(c[f] for f in fields)).where(*where).order_by(*key_columns, c.seq)
+    out: dict[tuple, dict[str, Any]] = {}
+    for row in conn.execute(query):
+        key = tuple(row[:len(keys)])
+        series = out.get(key)
+        if series is None:
+            series = out[key] = {**dict(zip(keys, key)), "time": [], **{f: [] for f in fields}}
+        series["time"].append(row[len(keys)])
+        for f, value in zip(fields, row[len(keys) + 1:]):
+            series[f].append(value)
+    return list(out.values())
+
+
 def _add_nodes(conn: sa.Connection, run_id: int, nodes: list[str]) -> None:
     known = set(conn.execute(sa.select(t.run_nodes.c.node).where(t.run_nodes.c.run_id == run_id)).scalars())
     for node in nodes:
@@ -395,7 +518,8 @@ def _run_summary(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
     if trained:
         last = trained[-1]
         out.update(last_step=last["step"], last_loss=_num(last["loss"]),
-                   tokens_per_sec=_num(last.get("tokens_per_sec")), mfu=_num(last.get("mfu")))
+                   tokens_per_sec=_num(last.get("tokens_per_sec")), mfu=_num(last.get("mfu")),
+                   tokens_seen=_num(last.get("tokens_seen")))
     validated = [m for m in metrics if m.get("val_loss") is not None]
     if validated:
         out["last_val_loss"] = _num(validated[-1]["val_loss"])
@@ -410,6 +534,8 @@ def _run_summary(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
 
 
 def _run_dict(row: Any) -> dict[str, Any]:
-    return {k: row[k] for k in ("id", "name", "dir", "status", "model", "world_size", "started_at", "ended_at",
-                                "updated_at", "last_step", "max_steps", "last_loss", "last_val_loss",
-                                "tokens_per_sec", "mfu", "restarts", "ettr", "error")}
+    out = {k: row[k] for k in ("id", "name", "dir", "status", "model", "world_size", "started_at", "ended_at",
+                               "updated_at", "last_step", "max_steps", "last_loss", "last_val_loss",
+                               "tokens_per_sec", "mfu", "restarts", "ettr", "error", "tokens_seen", "note")}
+    out["tags"] = json.loads(row["tags"]) if row["tags"] else []
+    return out

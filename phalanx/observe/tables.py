@@ -33,6 +33,9 @@ runs = Table(
     Column("restarts", Integer, nullable=False),
     Column("ettr", Float),
     Column("error", Text),
+    Column("tokens_seen", Float),  # at last_step
+    Column("tags", Text),  # JSON list of short strings, set from the dashboard
+    Column("note", Text),  # free text, set from the dashboard
 )
 
 # The hosts whose node agents joined a run (several agents may add themselves at the same moment).
@@ -62,7 +65,9 @@ steps = Table(
     Column("compute_seconds", Float),
     Column("eval_seconds", Float),
     Column("skipped", String(40)),
+    Column("tokens_seen", Float),
     Index("ix_steps_run_step", "run_id", "step"),
+    Index("ix_steps_run_time", "run_id", "time"),  # which step a run was at when an event happened
 )
 
 # Every rank's own timing of every step: the rank-by-step heatmap that shows stragglers.
@@ -118,6 +123,42 @@ ingest_offsets = Table(
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("path", String(300), primary_key=True),
     Column("position", BigInteger, nullable=False),
+)
+
+# The node agents' hardware samples (RUN_DIR/telemetry.jsonl): one row per node and sample for the host,
+# one per node, device and sample for each accelerator. seq numbers a node's samples in the run (1, 2,
+# ...; the device rows of a sample share its host row's seq), so a long run's charts read an evenly
+# spaced sample through the (run_id, seq) index, as steps are read, instead of scanning every row.
+host_telemetry = Table(
+    "host_telemetry", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("time", Float, nullable=False),
+    Column("node", String(200), nullable=False),
+    Column("cpu_ratio", Float),
+    Column("load1", Float),
+    Column("memory_used_bytes", Float),
+    Column("memory_total_bytes", Float),
+    Column("disk_free_bytes", Float),
+    Index("ix_host_telemetry_run_seq", "run_id", "seq"),
+)
+
+device_telemetry = Table(
+    "device_telemetry", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("time", Float, nullable=False),
+    Column("node", String(200), nullable=False),
+    Column("device", Integer, nullable=False),
+    Column("utilization_ratio", Float),
+    Column("memory_used_bytes", Float),
+    Column("memory_total_bytes", Float),
+    Column("temperature_c", Float),
+    Column("power_w", Float),
+    Column("ecc_uncorrectable", Float),
+    Index("ix_device_telemetry_run_seq", "run_id", "seq"),
 )
 
 # Nodes that failed a preflight check; launches on this store refuse them until `phalanx preflight --clear`.

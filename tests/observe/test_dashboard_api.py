@@ -84,9 +84,11 @@ def test_run_api_holds_page_data_and_figures_of_every_chart(client, store):
     assert yaml.safe_load(body["config_yaml"]) == body["run"]["config"] == {"run": {"name": "alpha"},
                                                                             "train": {"max_steps": 30, "lr": 3e-4}}
     figures = body["figures"]
-    assert set(figures) == {"loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "peak_mem_gib", "heatmap", "events",
-                            "goodput"}
-    train, val = figures["loss"]["data"]
+    assert set(figures) == {"loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "peak_mem_gib", "step_seconds",
+                            "heatmap", "events", "goodput", "sys_cpu", "sys_memory", "sys_disk", "sys_device_util",
+                            "sys_device_memory", "sys_device_temp", "sys_device_power"}
+    train, val, restart = figures["loss"]["data"]
+    assert restart["name"] == "restart" and restart["x"] == [13]  # the restart, at the step logged before it
     assert train["x"] == list(range(1, 31)) and train["y"][0] == pytest.approx(5.9)
     assert val["x"] == [10, 20, 30] and val["name"] == "validation loss"
     assert figures["mfu"]["data"][0]["y"] == [0.3] * 30
@@ -194,14 +196,14 @@ def test_pages_are_served_with_a_content_security_policy(client, store):
         assert response.headers["x-content-type-options"] == "nosniff"
 
 
-def test_the_dashboard_is_read_only(client, store):
+def test_the_dashboard_is_read_only_but_for_login_and_a_runs_tags_and_note(client, store):
     app = create_app(store.store)
     while not hasattr(app, "routes"):
         app = app.app
+    writes = {"/login": {"POST"}, "/logout": {"POST"}, "/api/runs/{run_id}": {"PATCH"}}
     for route in app.routes:
         methods = getattr(route, "methods", None) or set()
-        allowed = {"GET", "HEAD", "POST"} if route.path == "/login" else {"GET", "HEAD"}
-        assert methods <= allowed, route.path
+        assert methods <= {"GET", "HEAD"} | writes.get(route.path, set()), route.path
     assert client.post("/api/runs").status_code == 405
     assert client.delete(f"/api/runs/{store.alpha}").status_code == 405
 

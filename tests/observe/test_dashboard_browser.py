@@ -88,8 +88,9 @@ def test_runs_list_shows_the_run_and_its_status(url, page, drill, screenshots):
     row = page.locator("#runs-body tr", has=page.get_by_role("link", name=RUN, exact=True))
     row.wait_for()
     cells = row.locator("td").all_inner_texts()
-    assert cells[2] == "finished" and cells[4] == "12/12" and cells[9] == "1"  # status, step, restarts
-    assert cells[10].endswith("ago")
+    assert cells[2] == "finished" and cells[4] == "12/12" and cells[11] == "1"  # status, step, restarts
+    assert cells[7] == "3.07k"  # tokens: 12 steps of 8 x 32
+    assert cells[14].endswith("ago")
     page.screenshot(path=screenshots / "runs.png", full_page=True)
     row.get_by_role("link", name=RUN).click()
     page.wait_for_url(f"**/runs/{drill['run']['id']}")

@@ -83,7 +83,10 @@ def test_the_node_agent_serves_prometheus_metrics_while_training(observed):
     assert families is not None, "never scraped /metrics past step 8"
     assert families["phalanx_train_step"].samples[0].labels == {"run": "watched"}
     assert families["phalanx_train_loss"].samples[0].value > 0
-    assert families["phalanx_train_tokens_per_second"].samples[0].value > 0
+    tokens = families["phalanx_train_tokens"]  # a counter: rate() of it is the throughput
+    step = families["phalanx_train_step"].samples[0].value
+    assert tokens.type == "counter" and tokens.samples[0].value == step * 8 * 32  # steps x batch x seq_len
+    assert "phalanx_train_tokens_per_second" not in families
     restarts = families["phalanx_train_restarts"]  # the parser strips _total from counter names
     assert restarts.type == "counter" and restarts.samples[0].value == 1
     assert families["phalanx_train_worker_failures"].samples[0].value == 1

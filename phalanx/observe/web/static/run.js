@@ -1,4 +1,5 @@
 // One run, live: polls /api/runs/ID (every 2 s while it trains) and redraws with Plotly.react.
+// The chart controls (x axis, smoothing, log scale) are query parameters: the server builds the figures.
 "use strict";
 
 (() => {
@@ -6,12 +7,20 @@
   const MAX_EVENT_ROWS = 300;
   let shownEvents = -1;
   let shownConfig = null;
+  let shownAnnotations = null;
+  let editing = false;
 
   function text(id, value) {
     document.getElementById(id).textContent = value;
   }
 
-  function renderHeader(run, now) {
+  function lastValue(values) {
+    for (let i = (values || []).length - 1; i >= 0; i--) if (values[i] !== null) return values[i];
+    return null;
+  }
+
+  function renderHeader(data) {
+    const {run, now} = data;
     text("run-name", run.name);
     const status = document.getElementById("run-status");
     status.textContent = run.status;
@@ -21,42 +30,104 @@
     const error = document.getElementById("run-error");
     error.textContent = run.error || "";
     error.hidden = !run.error;
+    // Where MFU cannot be known (a CPU has no peak FLOP/s in the table) the tile says so, and shows
+    // the FLOP rate the run did reach instead.
+    const mfuNote = data.notes && data.notes.mfu;
+    const tflops = lastValue(data.series.achieved_tflops);
     const cards = [
       ["step", phalanx.steps(run)], ["loss", phalanx.number(run.last_loss)],
-      ["val loss", phalanx.number(run.last_val_loss)], ["tokens/s", phalanx.rate(run.tokens_per_sec)],
-      ["MFU", phalanx.percent(run.mfu)], ["ETTR", phalanx.percent(run.ettr)], ["restarts", run.restarts],
+      ["val loss", phalanx.number(run.last_val_loss)], ["tokens", phalanx.si(run.tokens_seen)],
+      ["tokens/s", phalanx.rate(run.tokens_per_sec)],
+      ["MFU", mfuNote ? "unknown" : phalanx.percent(run.mfu),
+        mfuNote ? `${mfuNote}${tflops !== null ? `; ${phalanx.number(tflops, 3)} TFLOP/s per device` : ""}` : null],
+      ["ETTR", phalanx.percent(run.ettr)], ["restarts", run.restarts],
       ["ranks", run.world_size], ["started", phalanx.localTime(run.started_at)],
+      ["duration", phalanx.duration(phalanx.durationSeconds(run, now))],
     ];
-    document.getElementById("cards").replaceChildren(...cards.map(([label, value]) => {
+    document.getElementById("cards").replaceChildren(...cards.map(([label, value, note]) => {
       const div = document.createElement("div");
+      div.dataset.card = label;
       const dt = document.createElement("dt");
       const dd = document.createElement("dd");
       dt.textContent = label;
       dd.textContent = value === null || value === undefined ? "–" : String(value);
       div.append(dt, dd);
+      if (note) {
+        const small = document.createElement("small");
+        small.className = "card-note";
+        small.textContent = note;
+        div.append(small);
+      }
       return div;
     }));
   }
+
+  function renderAnnotations(run) {
+    const key = JSON.stringify([run.tags, run.note]);
+    if (key === shownAnnotations || editing) return;  // never overwrite what the reader is typing
+    shownAnnotations = key;
+    const tags = document.getElementById("run-tags");
+    tags.replaceChildren(...phalanx.tagChips(run.tags));
+    text("run-note", run.note || "");
+    if (!run.tags.length && !run.note) text("run-note", "no tags or note");
+    document.getElementById("run-note").classList.toggle("muted", !run.note);
+  }
+
+  const form = document.getElementById("annotations-form");
+  const view = document.getElementById("annotations-view");
+  function edit(on, run) {
+    editing = on;
+    form.hidden = !on;
+    view.hidden = on;
+    text("annotations-error", "");
+    if (on) {
+      form.elements.tags.value = run.tags.join(", ");
+      form.elements.note.value = run.note || "";
+      form.elements.tags.focus();
+    }
+  }
+  let current = null;
+  document.getElementById("annotations-edit").addEventListener("click", () => current && edit(true, current));
+  document.getElementById("annotations-cancel").addEventListener("click", () => edit(false));
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const tags = form.elements.tags.value.split(",").map((t) => t.trim()).filter(Boolean);
+    try {
+      const saved = await phalanx.patchJson(`/api/runs/${runId}`, {tags, note: form.elements.note.value});
+      current = {...current, ...saved};
+      edit(false);
+      shownAnnotations = null;
+      renderAnnotations(current);
+    } catch (error) {
+      text("annotations-error", error.message);
+    }
+  });
 
   function details(event) {
     const rest = {};
     for (const [key, value] of Object.entries(event)) {
       if (!["time", "node", "rank", "kind"].includes(key)) rest[key] = value;
     }
-    return Object.keys(rest).length ? JSON.stringify(rest) : "";
+    return rest;
   }
 
-  function renderEvents(events) {
+  function renderEvents(events, steps) {
     if (events.length === shownEvents) return;  // unchanged: keep the reader's selection and scroll
     shownEvents = events.length;
-    const newest = events.slice(-MAX_EVENT_ROWS).reverse();
-    document.getElementById("events-body").replaceChildren(...newest.map((event) => {
+    const first = Math.max(0, events.length - MAX_EVENT_ROWS);
+    const rows = [];
+    for (let i = events.length - 1; i >= first; i--) {
+      const event = events[i];
       const tr = document.createElement("tr");
       tr.className = `event-${event.kind}`;
+      const cell = document.createElement("td");
+      cell.className = "details";
+      cell.append(phalanx.keyValues(details(event)));
       tr.append(phalanx.cell(phalanx.localTime(event.time), "when"), phalanx.cell(event.kind, "kind"),
-        phalanx.cell(event.rank, "num"), phalanx.cell(event.node), phalanx.cell(details(event), "details"));
-      return tr;
-    }));
+        phalanx.cell(steps[i], "num"), phalanx.cell(event.rank, "num"), phalanx.cell(event.node), cell);
+      rows.push(tr);
+    }
+    document.getElementById("events-body").replaceChildren(...rows);
     text("events-count", events.length > MAX_EVENT_ROWS
       ? `(newest ${MAX_EVENT_ROWS} of ${events.length})` : `(${events.length})`);
   }
@@ -69,19 +140,31 @@
     }));
   }
 
+  function renderSystemNote(hidden) {
+    const reasons = new Set(Object.entries(hidden).filter(([name]) => name.startsWith("sys_")).map(([, r]) => r));
+    text("system-note", [...reasons].join("; "));
+  }
+
+  const controls = phalanx.chartControls(() => refreshNow());
+
   async function refresh() {
-    const data = await phalanx.getJson(`/api/runs/${runId}`);
-    renderHeader(data.run, data.now);
-    for (const [name, figure] of Object.entries(data.figures)) phalanx.plot(`fig-${name}`, figure);
-    renderEvents(data.events);
+    const query = controls.query();
+    const data = await phalanx.getJson(`/api/runs/${runId}?${query}`);
+    current = data.run;
+    renderHeader(data);
+    renderAnnotations(data.run);
+    phalanx.plotAll(data.figures, data.hidden);
+    renderSystemNote(data.hidden);
+    renderEvents(data.events, data.event_steps);
     renderNodes(data.run.nodes);
     if (data.config_yaml !== shownConfig) {
       shownConfig = data.config_yaml;
       text("config", data.config_yaml || "(no config recorded)");
     }
     document.body.dataset.loaded = "true";  // for tests and screenshots: the first data is drawn
-    return ["running", "restarting"].includes(data.run.status) ? 2000 : 10000;
+    document.body.dataset.drawn = query;  // ... and drawn for these options
+    return phalanx.LIVE.includes(data.run.status) ? 2000 : 10000;
   }
 
-  phalanx.poll(refresh);
+  const refreshNow = phalanx.poll(refresh);
 })();
