@@ -12,11 +12,11 @@ import sys
 import typer
 from rich.text import Text
 
-from phalanx.config.commands import register as register_config
-from phalanx.console import err
+from phalanx.console import DEBUG_ENV, err
 from phalanx.errors import PhalanxError
 from phalanx.export.commands import register as register_export
 from phalanx.job.commands import register as register_job
+from phalanx.launch.cluster.commands import register as register_cluster
 from phalanx.observe.commands import register as register_observe
 from phalanx.plan.commands import register as register_plan
 from phalanx.preflight.commands import register as register_preflight
@@ -24,7 +24,9 @@ from phalanx.serve.commands import register as register_serve
 from phalanx.train.commands import register as register_train
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Train, keep alive, observe and serve Llama-style language models on any accelerator.")
+                  help="Train, keep alive, observe and serve Llama-style language models on any accelerator.",
+                  epilog="Example: phalanx train (the demo), then phalanx chat runs/demo. "
+                         "Each command's --help has its own examples.")
 
 
 @app.callback()
@@ -33,24 +35,42 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks (ma
 
 
 # The order of the help listing: the life of a model, from data to serving.
-for register in (register_job, register_config, register_train, register_serve, register_observe, register_export,
+for register in (register_job, register_cluster, register_train, register_serve, register_observe, register_export,
                  register_plan, register_preflight):
     register(app)
 
 
 def main() -> None:
-    debug = "--debug" in sys.argv[1:] or os.environ.get("PHALANX_DEBUG") == "1"
+    debug = "--debug" in sys.argv[1:] or os.environ.get(DEBUG_ENV) == "1"
     sys.argv = [a for a in sys.argv if a != "--debug"]
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # for the ranks too: torch's own warnings and log lines are shown
     try:
-        app()
+        code = app(standalone_mode=False)  # click's errors come here, to be one line like ours
     except PhalanxError as exc:
         if debug:
             raise
-        err.print(Text("error: ", style="bold red") + Text(str(exc)), soft_wrap=True)
+        _error(str(exc))
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
+    except typer.TyperException as exc:  # the parser's: a bad option value, a missing argument, a typo
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            sys.exit(2)  # the help has been printed
+        if debug:
+            raise
+        ctx = getattr(exc, "ctx", None)
+        _error(exc.format_message() + (f" (see `{ctx.command_path} --help`)" if ctx is not None else ""))
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        _error("aborted")
+        sys.exit(1)
+    code = code if type(code) is int else 0  # an exit code (typer.Exit), or whatever a command returned
+    if code == 130:  # typer's answer to Ctrl-C inside a command
+        _error("interrupted (Ctrl-C)")
+    sys.exit(code)
+
+
+def _error(message: str) -> None:
+    err.print(Text("error: ", style="bold red") + Text(message), soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -131,7 +131,9 @@ def _describe(error: dict[str, Any]) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "value_error":  # our own cross-field checks already name their keys
         return f"invalid config: {message}"
-    return f"config key '{key}' = {error.get('input')!r}: {message}"
+    given = error.get("input")
+    hint = " (YAML reads a bare yes, no, on or off as true or false; quote it)" if isinstance(given, bool) else ""
+    return f"config key '{key}' = {given!r}: {message}{hint}"
 
 
 def _valid_keys(section_path: list[str]) -> list[str]:
@@ -142,7 +144,7 @@ def _valid_keys(section_path: list[str]) -> list[str]:
         model = model.model_fields[part].annotation
         if typing.get_origin(model) is list:
             model = typing.get_args(model)[0]
-    keys = list(model.model_fields)
+    keys = [field.alias or name for name, field in model.model_fields.items()]  # as written: checkpoint.async
     return keys + ["extends"] if model is Config else keys
 
 

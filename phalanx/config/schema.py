@@ -6,14 +6,57 @@ config/loader.py turns pydantic's errors into one line that suggests the closest
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
+
+_NO_MEANING = object()
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # What `off` means for a key whose type alone cannot tell (a string key: off is not a name).
+    OFF_MEANS: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_off(cls, data: Any) -> Any:
+        """People write `preflight: off`, and YAML 1.1 (PyYAML, so also `KEY=off` on the command line) reads
+        a bare off or no as false. For every key where false is no valid value, false and "off" mean what off
+        means there: the "off" or "none" choice of a key with choices, null for an optional number (no limit,
+        not served), or the key's own word (OFF_MEANS). A quoted "off" is taken the same way."""
+        if not isinstance(data, dict):
+            return data
+        fixed = dict(data)
+        by_key = {f.alias or name: f for name, f in cls.model_fields.items()}  # as written: `checkpoint.async`
+        for key, value in data.items():
+            field = by_key.get(key)
+            is_off = value is False or (isinstance(value, str) and value.strip().lower() == "off")
+            if field is None or not is_off:
+                continue
+            meaning = cls.OFF_MEANS[key] if key in cls.OFF_MEANS else _off_meaning(field.annotation)
+            if meaning is not _NO_MEANING:
+                fixed[key] = meaning
+        return fixed
+
+
+def _off_meaning(annotation: Any) -> Any:
+    """What off means for a key of this type; _NO_MEANING where false stays false (or stays an error)."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    if bool in args:
+        return _NO_MEANING  # a switch: false is its own value (pydantic reads "off" as false too)
+    for arg in args:
+        if typing.get_origin(arg) is Literal:
+            choices = typing.get_args(arg)
+            return "off" if "off" in choices else "none" if "none" in choices else _NO_MEANING
+    if type(None) in args and str not in args:
+        return None  # an optional number: pydantic would otherwise take false as 0 (metrics_port: any port!)
+    return _NO_MEANING
 
 
 class RunSection(Section):
@@ -37,10 +80,17 @@ class ModelSection(Section):
     rope_theta: float | None = Field(None, gt=0)
     norm_eps: float | None = Field(None, gt=0)
     tie_embeddings: bool | None = None
+    # Llama 3.1 RoPE scaling (models/llama.py); a factor of 1 turns it off.
+    rope_scaling_factor: float | None = Field(None, ge=1)
+    rope_low_freq_factor: float | None = Field(None, gt=0)
+    rope_high_freq_factor: float | None = Field(None, gt=0)
+    rope_original_max_seq_len: PositiveInt | None = None
 
 
 class DataSection(Section):
     sources: list[str] = Field(default_factory=lambda: ["builtin:shakespeare"], min_length=1)
+    OFF_MEANS = {"tokenizer": None}
+
     # Path to an existing tokenizer.json; None trains a byte-level BPE on the corpus.
     tokenizer: str | None = None
     vocab_size: PositiveInt = 4096
@@ -55,7 +105,9 @@ class TrainSection(Section):
     seed: int = 1337
     seq_len: PositiveInt = 256
     global_batch_size: PositiveInt = 16
-    micro_batch_size: PositiveInt = 16
+    # null: each rank takes its whole share of the global batch in one pass (global / ranks, no gradient
+    # accumulation), so one config runs on 1, 2, 4 or 8 ranks; set it to accumulate over smaller passes.
+    micro_batch_size: PositiveInt | None = None
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(20, ge=0)
@@ -68,13 +120,14 @@ class TrainSection(Section):
     compile: bool = False
     activation_checkpointing: bool = False
     # auto: bf16 autocast on GPUs, fp32 on CPU.
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # float8: torchao's float8 training for the linear layers (GPUs with fp8 matrix cores), bf16 elsewhere.
+    dtype: Literal["auto", "float32", "bfloat16", "float8"] = "auto"
     # Peak TFLOP/s of one device, for MFU where the device is not in the built-in table (CPUs).
     peak_tflops: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check_batches(self) -> "TrainSection":
-        if self.global_batch_size % self.micro_batch_size:
+        if self.micro_batch_size and self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}"
@@ -83,19 +136,50 @@ class TrainSection(Section):
             raise ValueError(f"train.halt_at_step={self.halt_at_step} is beyond train.max_steps={self.max_steps}")
         return self
 
+    def micro_batch(self, ranks: int) -> int:
+        """Sequences per forward pass on one of `ranks` data-parallel ranks (0 if the global batch does not
+        even give each rank one: data/loader.check_batch_sizes says so)."""
+        return self.micro_batch_size or self.global_batch_size // ranks
+
+    @property
+    def eval_windows(self) -> int:
+        """Held-out windows per evaluation, the same set on any number of ranks: eval_batches micro-batches,
+        of the global batch's size when micro_batch_size is null (it then depends on the rank count)."""
+        return self.eval_batches * (self.micro_batch_size or self.global_batch_size)
+
 
 class ParallelSection(Section):
-    # With one process there is nothing to share, and ddp/fsdp leave the model unwrapped.
+    """How the ranks share the model: a device mesh dp_replicate x dp_shard x tp (parallel/mesh.py),
+    whose size is the world size."""
+
+    # Where the data-parallel ranks go when dp_replicate and dp_shard are not given: ddp replicates the
+    # model on each, fsdp shards it across them. With one process there is nothing to share.
     strategy: Literal["none", "ddp", "fsdp"] = "ddp"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    dp_replicate: PositiveInt | None = Field(None, description="model replicas (DDP, or HSDP's outer dim)")
+    dp_shard: int | None = Field(None, ge=-1, description="ranks one FSDP2 shard group spans; -1: the rest")
+    tp: PositiveInt = Field(1, description="tensor-parallel ranks (DTensor: heads and FFN split)")
+
+    @model_validator(mode="after")
+    def _check_degrees(self) -> "ParallelSection":
+        if self.dp_shard == 0:
+            raise ValueError("parallel.dp_shard must be a positive number of ranks, or -1 for the rest")
+        return self
 
 
 class CheckpointSection(Section):
+    # `async` is a Python keyword: the field is async_save, the key people write `checkpoint.async`.
+    model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True, validate_by_alias=True)
+    OFF_MEANS = {"resume": "never"}
+
     interval: PositiveInt = 125
     keep: PositiveInt = 3
     # auto: continue from the newest checkpoint in the run directory if there is one.
     resume: str = Field("auto", description="auto | never | path to a checkpoint directory")
+    # Write each save in the background (DCP async_save) while training goes on; it is published (manifest,
+    # atomic rename) at the first step boundary after every rank's part is written.
+    async_save: bool = Field(False, alias="async")
 
 
 class FaultSpec(Section):
@@ -123,8 +207,7 @@ class SafeSection(Section):
     startup_timeout_s: float = Field(600.0, gt=0)
     checkpoint_timeout_s: float = Field(900.0, gt=0)
     eval_timeout_s: float = Field(600.0, gt=0)
-    # none, not "off": YAML reads a bare off as false
-    numerics: Literal["rollback", "skip", "none"] = "rollback"
+    numerics: Literal["rollback", "skip", "none"] = "rollback"  # off is accepted for none
     spike_zscore: float = Field(6.0, gt=0)
     spike_window: int = Field(100, ge=10)
     straggler_threshold: float = Field(0.75, gt=0, lt=1)
@@ -145,8 +228,10 @@ class SafeSection(Section):
 class ObserveSection(Section):
     """Where a run's metrics and events go besides the plain files in its run directory."""
 
+    OFF_MEANS = {"store": "none"}
+
     # null: an SQLite file RUNS_ROOT/phalanx.db; a SQLAlchemy URL (postgresql://user@host/db) for a store
-    # several machines share; or `none` for no store.
+    # several machines share; or `none` (or off) for no store.
     store: str | None = None
     # Prometheus /metrics from the node agent while the run trains; null: not served, 0: any free port.
     metrics_port: int | None = Field(None, ge=0, le=65535)

@@ -60,8 +60,16 @@ class TokenDataset:
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_world: int) -> None:
-    """Each global batch must split evenly into micro batches on every data-parallel rank."""
+def check_batch_sizes(global_batch_size: int, micro_batch_size: int | None, dp_world: int) -> None:
+    """Each global batch must split evenly into micro batches on every data-parallel rank. A micro batch
+    of None is each rank's whole share (train.micro_batch_size null): the ranks must share it evenly."""
+    if micro_batch_size is None:
+        if global_batch_size < dp_world or global_batch_size % dp_world:
+            raise PhalanxError(
+                f"train.global_batch_size ({global_batch_size}) must be a multiple of the {dp_world} data-parallel "
+                f"ranks, which share each batch evenly"
+            )
+        return
     if global_batch_size < 1 or micro_batch_size < 1:
         raise PhalanxError(
             f"train.global_batch_size ({global_batch_size}) and train.micro_batch_size ({micro_batch_size}) "

@@ -142,6 +142,11 @@ class VerifiedShard:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def checksums(self) -> np.ndarray:
+        """The stored CRC-32 of each chunk: a digest of the shard's tokens without reading them."""
+        return self._crcs
+
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Token windows tokens[start : start + length] for each start, as one (len(starts), length) array,
         once every chunk they touch is verified."""

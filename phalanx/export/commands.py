@@ -21,7 +21,12 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
         json_out: bool = JsonOpt,
     ) -> None:
-        """Export a trained model for Hugging Face transformers or for llama.cpp / Ollama."""
+        """Export a trained model for Hugging Face transformers or for llama.cpp / Ollama.
+
+        Examples:
+        phalanx export runs/demo --format hf --out exports/demo-hf
+        phalanx export runs/demo --format gguf --out exports/demo-gguf --dtype f16
+        """
         from phalanx.export.export import export_run
 
         files = export_run(run_dir, fmt, out, dtype, force)

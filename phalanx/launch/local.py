@@ -8,6 +8,7 @@ one-shot jobs on every rank (the cluster preflight): see OneShot.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.config.schema import Config
+from phalanx.console import debug_enabled
 from phalanx.errors import PhalanxError, RendezvousFailedError, RestartsExhaustedError, StoppedBySignal
 from phalanx.run.checkpoints import checkpoint_step, latest_checkpoint
 from phalanx.run.layout import RunDir
@@ -145,6 +147,14 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     agent = PhalanxAgent(worker_spec, DefaultLogsSpecs(), safe=config.safe, run_dir=work_dir,
                          events=JsonlEventSink(work_dir), board=board, newest_checkpoint_step=newest_step,
                          before_restart=before_restart)
+    # torch's elastic agent logs every stop and failure in its own format ("W1201 12:00:00.0 ... Sending
+    # process 123 closing signal SIGTERM"); the agent says them in phalanx's words, so torch's are only
+    # shown under --debug.
+    elastic_log, silence = logging.getLogger("torch.distributed.elastic"), logging.NullHandler()
+    propagate = elastic_log.propagate
+    if not debug_enabled():  # a handler of its own, so logging's last resort does not print them either
+        elastic_log.propagate = False
+        elastic_log.addHandler(silence)
     try:
         result = agent.run()
     except RendezvousError as exc:
@@ -152,6 +162,8 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     except SignalException as exc:  # torch turns SIGTERM/SIGINT/SIGHUP into this after stopping the ranks
         raise StoppedBySignal(exc.sigval) from None
     finally:
+        elastic_log.propagate = propagate
+        elastic_log.removeHandler(silence)
         os.environ.pop(ENV_FILE, None)
         if board is not None:
             board.close()

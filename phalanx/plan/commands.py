@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import typer
 
@@ -17,6 +18,9 @@ def register(app: typer.Typer) -> None:
         source: str = typer.Argument(..., metavar="CONFIG|PRESET",
                                      help="A run config (YAML file or config preset) or a model preset: "
                                           "tiny, 125m, 1b, 8b, 70b."),
+        overrides: Optional[list[str]] = typer.Argument(None, metavar="[SECTION.KEY=VALUE]...",
+                                                        help="Overrides of a run config, as phalanx train "
+                                                             "takes them."),
         gpu: str = typer.Option(None, "--gpu", metavar="NAME",
                                 help="Device: mi300x, mi325x, mi350x, mi355x, a100, h100, h200, b200, cpu."),
         gpus: int = typer.Option(1, "--gpus", metavar="N", help="How many devices (data-parallel ranks)."),
@@ -27,9 +31,12 @@ def register(app: typer.Typer) -> None:
         seq_len: int = typer.Option(None, "--seq-len", metavar="T",
                                     help="Tokens per sequence (default: the config's, or the preset's context "
                                          "up to 8192)."),
+        # Two flags rather than one --x/--no-x pair: the pair's names do not fit an 80-column --help.
         activation_checkpointing: bool = typer.Option(
-            None, "--activation-checkpointing/--no-activation-checkpointing",
+            False, "--activation-checkpointing",
             help="Recompute each block in backward (default: the config's, or off)."),
+        no_activation_checkpointing: bool = typer.Option(
+            False, "--no-activation-checkpointing", help="Do not, whatever the config says."),
         mfu: float = typer.Option(0.4, "--mfu", help="Model FLOPs utilisation to project tokens/s at (0-1]."),
         headroom: float = typer.Option(0.1, "--headroom",
                                        help="Fraction of device memory kept free for the runtime, collectives "
@@ -40,19 +47,28 @@ def register(app: typer.Typer) -> None:
         compare: bool = typer.Option(False, "--compare", help="Plan the same job on every known device."),
         json_out: bool = JsonOpt,
     ) -> None:
-        """Will a training run fit: memory per device, the largest micro batch, projected tokens/s."""
+        """Will a training run fit: memory per device, the largest micro batch, projected tokens/s.
+
+        Examples:
+          phalanx plan 8b --gpu mi300x --gpus 8
+          phalanx plan 70b --gpus 8 --compare
+          phalanx plan demo --gpu cpu --gpus 2 train.global_batch_size=32
+        """
         from phalanx.errors import PhalanxError
         from phalanx.plan import planner
         from phalanx.plan.devices import all_devices, get_device
         from phalanx.plan.report import print_compare, print_plan
 
+        if activation_checkpointing and no_activation_checkpointing:
+            raise PhalanxError("give --activation-checkpointing or --no-activation-checkpointing, not both")
+        ac = True if activation_checkpointing else False if no_activation_checkpointing else None
         if strategy is not None and strategy not in STRATEGIES:
             raise PhalanxError(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
         if gpu is None and not compare:
             raise PhalanxError("name a device with --gpu NAME, or use --compare for every device")
         devices = all_devices(peak_tflops) if compare else [get_device(gpu, peak_tflops)]
         job = planner.resolve_job(source, gpus, strategy=strategy, micro_batch=micro_batch, seq_len=seq_len,
-                                  activation_checkpointing=activation_checkpointing)
+                                  activation_checkpointing=ac, overrides=overrides or [])
         if compare:
             rows = planner.compare(job, devices, mfu=mfu, headroom=headroom)
             if json_out:

@@ -49,17 +49,22 @@ class Job:
 
 
 def resolve_job(source: str, gpus: int, *, strategy: str | None = None, micro_batch: int | None = None,
-                seq_len: int | None = None, activation_checkpointing: bool | None = None) -> Job:
-    """A Job from a model preset name or a run config (a YAML path or a config preset); options override."""
+                seq_len: int | None = None, activation_checkpointing: bool | None = None,
+                overrides: list[str] | tuple[str, ...] = ()) -> Job:
+    """A Job from a model preset name or a run config (a YAML path or a config preset, with `section.key=value`
+    overrides as `phalanx train` takes them); options override both."""
     if gpus < 1:
         raise PhalanxError(f"--gpus must be at least 1, got {gpus}")
     if source in MODEL_PRESETS and not Path(source).is_file():
+        if overrides:
+            raise PhalanxError(f"overrides such as '{overrides[0]}' apply to a run config, not the model preset "
+                               f"'{source}'; use --micro-batch, --seq-len and --strategy, or plan a config")
         args = MODEL_PRESETS[source]
         seq = seq_len or min(args.max_seq_len, MAX_SEQ_DEFAULT)
         job = Job(source, args, strategy or "fsdp", gpus, micro_batch or 1, seq, 1,
                   bool(activation_checkpointing), "auto")
     else:
-        job = _job_from_config(source, gpus, strategy, micro_batch, seq_len, activation_checkpointing)
+        job = _job_from_config(source, gpus, strategy, micro_batch, seq_len, activation_checkpointing, overrides)
     if job.strategy == "none" and gpus > 1:
         raise PhalanxError(f"strategy none runs one process; use --strategy ddp or fsdp for --gpus {gpus}")
     if job.seq_len > job.args.max_seq_len:
@@ -71,21 +76,25 @@ def resolve_job(source: str, gpus: int, *, strategy: str | None = None, micro_ba
 
 
 def _job_from_config(source: str, gpus: int, strategy: str | None, micro_batch: int | None,
-                     seq_len: int | None, activation_checkpointing: bool | None) -> Job:
+                     seq_len: int | None, activation_checkpointing: bool | None,
+                     overrides: list[str] | tuple[str, ...] = ()) -> Job:
     from phalanx.config.loader import load_config, preset_names
     from phalanx.models.from_config import model_args
 
     if not Path(source).is_file() and source not in preset_names() and not source.endswith((".yaml", ".yml")):
         raise PhalanxError(f"'{source}' is neither a config file, a config preset ({', '.join(preset_names())}) "
                            f"nor a model preset ({', '.join(MODEL_PRESETS)})")
-    config = load_config(source)
+    config = load_config(source, overrides)
     tc = config.train
     # The vocabulary the run's tokenizer would have: model.vocab_size if set, else at most data.vocab_size.
     vocab = config.model.vocab_size or config.data.vocab_size
     args = dataclasses.replace(model_args(config.model), vocab_size=vocab)
-    micro = micro_batch or tc.micro_batch_size
     strat = strategy or config.parallel.strategy
     ranks = gpus if strat != "none" else 1
+    if micro_batch is None and tc.micro_batch_size is None and tc.global_batch_size % ranks:
+        raise PhalanxError(f"train.global_batch_size ({tc.global_batch_size}) must be a multiple of the {ranks} "
+                           f"ranks, which share each batch evenly (override it: train.global_batch_size=N)")
+    micro = micro_batch or tc.micro_batch(ranks)  # as the trainer: each rank's share when not set
     if tc.global_batch_size % (micro * ranks):
         raise PhalanxError(f"train.global_batch_size ({tc.global_batch_size}) must be a multiple of the micro "
                            f"batch ({micro}) x {ranks} ranks = {micro * ranks}")

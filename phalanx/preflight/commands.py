@@ -30,15 +30,22 @@ def register(app: typer.Typer) -> None:
             None, "--inject-slow-rank", min=0, metavar="RANK",
             help="Drill: make this rank slow (also PHALANX_PREFLIGHT_SLOW_RANK)."),
         slow_factor: Optional[float] = typer.Option(
-            None, "--slow-factor", help="How many times slower the drill's rank is (default 4; also "
-                                        "PHALANX_PREFLIGHT_SLOW_FACTOR)."),
+            None, "--slow-factor", help="How many times slower the drill's rank is (default 4, or "
+                                        "PHALANX_PREFLIGHT_SLOW_FACTOR)"),
         clear: Optional[str] = typer.Option(None, "--clear", metavar="NODE",
                                             help="Release NODE from quarantine in the run store; runs no checks."),
         json_out: bool = JsonOpt,
     ) -> None:
-        """Check every node and rank before a job: inventory, hardware health, compute, memory, disk and
-        interconnect against per-device limits, and find a slow rank. Exits 6 when a check fails (and
-        quarantines the failing node in the run store)."""
+        """Check every node and rank before a job: inventory, health, compute, memory, disk, interconnect.
+
+        Each check is graded against per-device limits, and a slow rank is searched
+        for. Exits 6 when a check fails (and quarantines the failing node).
+
+        Examples:
+        phalanx preflight --quick --nproc 2
+        phalanx preflight --nproc 8 --nnodes 4 --node-rank 0 --rdzv-endpoint n0:29500
+        phalanx preflight --clear gpu-node-17
+        """
         from phalanx.config.loader import load_config
 
         path, overrides = split_config_args(args)
@@ -74,7 +81,17 @@ def _preflight(config: Any, nproc: int | None, nnodes: str, node_rank: int, rdzv
     else:
         _print_report(report)
     if not report.passed:
-        raise PreflightFailedError(f"preflight failed: {report.failure_line()}")
+        raise PreflightFailedError(f"preflight failed: {report.failure_line()}{_release_hint(report, slow)}")
+
+
+def _release_hint(report: Any, drill: Any) -> str:
+    """How to let a node this preflight quarantined join launches again (a drill's node is not broken)."""
+    if not report.quarantined:
+        return ""
+    clear = " and ".join(f"`phalanx preflight --clear {node}`" for node in report.quarantined)
+    if drill is not None:
+        return f"; this drill quarantined {', '.join(report.quarantined)}: {clear} releases it"
+    return f"; once fixed, {clear} lets it join launches again"
 
 
 def _default_nproc(device: str) -> int:

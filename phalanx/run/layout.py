@@ -15,6 +15,7 @@ RUNS_ROOT/                   `run.dir` in the config
     tensorboard/             TensorBoard event files (observe.tensorboard)
     metrics_port[.HOST]      the port a node agent's /metrics listens on
     .lock                    held by the launch that owns the run
+    .share-probe-TOKEN       a cluster launcher's check that every node sees this directory (removed)
     checkpoints/step_N/      one checkpoint per save (see phalanx/run/checkpoints.py)
     checkpoints.before-NS/   an earlier line of checkpoints, moved aside by checkpoint.resume=never|PATH
 
@@ -39,6 +40,7 @@ STACKS = "stacks"
 TENSORBOARD = "tensorboard"
 METRICS_PORT = "metrics_port"
 LOCK = ".lock"
+SHARE_PROBE = ".share-probe"
 CHECKPOINTS = "checkpoints"
 
 # Inside one checkpoint directory.
@@ -130,6 +132,10 @@ class RunDir:
     def metrics_port_file(self, host: str | None = None) -> Path:
         """Node 0's agent writes `metrics_port`; the others `metrics_port.HOST` (nodes may share the dir)."""
         return self.path / (METRICS_PORT if host is None else f"{METRICS_PORT}.{host}")
+
+    def share_probe(self, token: str) -> Path:
+        """Written by node 0 of a cluster launch and read by every other node: a shared filesystem check."""
+        return self.path / f"{SHARE_PROBE}-{token}"
 
     def checkpoints_aside(self, stamp: int) -> Path:
         return self.path / f"{CHECKPOINTS}.before-{stamp}"

@@ -13,8 +13,9 @@ from phalanx.run.layout import RunDir
 
 @contextlib.contextmanager
 def run_lock(run_dir: Path) -> Iterator[None]:
-    """Held by `phalanx train` for the whole launch: a second launch on the same run directory would
-    rewrite the config its ranks re-read on restart, and could move its live checkpoints aside."""
+    """Held by `phalanx train` for the whole launch, and by every other command that writes into a run
+    directory (`data prepare`, `runs import`): a second writer would rewrite the config the ranks re-read
+    on restart, or move the live checkpoints aside."""
     run = RunDir(run_dir)
     try:
         run.path.mkdir(parents=True, exist_ok=True)
@@ -25,6 +26,6 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise PhalanxError(f"{run.path} is in use by another `phalanx train`; wait for it or pick "
-                               "another run.name") from None
+            raise PhalanxError(f"{run.path} is in use by a running `phalanx train` (or another command writing "
+                               "into it); wait for it or pick another run.name") from None
         yield

@@ -21,6 +21,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from phalanx.config.schema import SafeSection
+from phalanx.console import say
 from phalanx.errors import CrashLoopError, PhalanxError
 from phalanx.run.layout import RunDir
 from phalanx.run.records import EventSink
@@ -43,6 +44,8 @@ class PhalanxAgent(LocalElasticAgent):
         self.attempt = 0
         self.failed_without_progress = 0
         self.last_failure = "none"
+        self._failure_line = ""  # the last failure as the console says it
+        self._notice: str | None = None  # said when the next attempt starts, once the old ranks are gone
         self.hosts_rank0 = False
         self._failed = False
         self._check_node = False
@@ -50,6 +53,9 @@ class PhalanxAgent(LocalElasticAgent):
 
     # -- attempts ---------------------------------------------------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        if self._notice:
+            say(self._notice)
+            self._notice = None
         if self._check_node:  # after a failure, with the old ranks stopped: is this node still sound?
             self._check_node = False
             self.before_restart()
@@ -66,8 +72,13 @@ class PhalanxAgent(LocalElasticAgent):
         if self._failed:
             self.events.emit("restart", attempt=self.attempt + 1, reason=self.last_failure)
             self._check_node = self.before_restart is not None
+            step = self.newest_checkpoint_step()
+            start = f"step {step}" if step is not None else "step 0 (no checkpoint yet)"
+            self._notice = (f"{self._failure_line}; restarting from {start}, restart {self.attempt + 1} "
+                            f"of {self.safe.max_restarts}")
         else:
             self.events.emit("regroup", attempt=self.attempt, reason="nodes are waiting to join")
+            self._notice = "nodes are waiting to join: re-forming the job"
         self._failed = False
         super()._restart_workers(worker_group)
 
@@ -107,6 +118,10 @@ class PhalanxAgent(LocalElasticAgent):
                          step=cause["step"], phase=cause["phase"], stalled_for=cause["stalled_for"], ranks=ranks)
         self.last_failure = f"rank {cause['rank']} exited with code {cause['exitcode']}" + (
             f" at step {cause['step']} ({cause['phase']})" if cause["step"] is not None else "")
+        how = (f"({signal.Signals(-cause['exitcode']).name})" if _is_signal(cause["exitcode"])
+               else f"with code {cause['exitcode']}")
+        self._failure_line = f"rank {cause['rank']} exited {how}" + (
+            f" at step {cause['step']}" if cause["step"] is not None else "")
 
     def _on_hang(self, worker_group: WorkerGroup, stalls: list[Stall]) -> None:
         """Dump every local rank's stack, then record who stalled, where and in which phase."""
@@ -134,6 +149,7 @@ class PhalanxAgent(LocalElasticAgent):
                          stalled_for=culprit.stalled_for, limit=culprit.limit, ranks=ranks)
         self.last_failure = (f"rank {global_rank[culprit.local_rank]} hung at step {culprit.step} "
                              f"({culprit.phase}) for {culprit.stalled_for:.1f} s")
+        self._failure_line = f"{self.last_failure}; its stack is in {files[culprit.local_rank]}"
 
     def _check_crash_loop(self) -> None:
         """Count restarted attempts that failed before a newer checkpoint appeared; K in a row stop the run."""
@@ -150,3 +166,11 @@ class PhalanxAgent(LocalElasticAgent):
                              last_failure=self.last_failure)
             raise CrashLoopError(f"crash loop: {restarts} restarts in a row without checkpoint progress "
                                  f"({where}); last failure: {self.last_failure} (see {RunDir(self.run_dir).events})")
+
+
+def _is_signal(exitcode: int) -> bool:
+    """torch reports a rank killed by signal N as exit code -N."""
+    try:
+        return exitcode < 0 and bool(signal.Signals(-exitcode))
+    except ValueError:
+        return False

@@ -18,12 +18,14 @@ from phalanx.parallel.distributed import DistEnv, all_reduce_sum
 class Evaluator:
     def __init__(self, dataset: TokenDataset, train: TrainSection, env: DistEnv,
                  autocast: Callable[[], AbstractContextManager]):
+        # The same windows on any rank count (train.eval_windows), in forwards of a training micro batch.
+        micro = train.micro_batch(env.dp_world)
         self.batches = [(x.to(env.device), y.to(env.device)) for x, y in val_batches(
-            dataset, train.seq_len, train.micro_batch_size, train.eval_batches, env.rank, env.world_size)]
+            dataset, train.seq_len, micro, math.ceil(train.eval_windows / micro), env.dp_rank, env.dp_world)]
         # Ranks may hold unequal numbers of batches, yet all must run the same number of forwards: FSDP
         # all-gathers parameters inside each one. Ranks short of batches run a throw-away forward.
-        windows = min(len(dataset), train.eval_batches * train.micro_batch_size)
-        self.forwards = math.ceil(math.ceil(windows / train.micro_batch_size) / env.world_size)
+        windows = min(len(dataset), train.eval_windows)
+        self.forwards = math.ceil(math.ceil(windows / micro) / env.dp_world)
         self.dummy = torch.zeros(1, train.seq_len, dtype=torch.long, device=env.device)
         self.device, self.autocast = env.device, autocast
 

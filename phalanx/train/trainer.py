@@ -21,15 +21,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from phalanx.config.schema import Config
-from phalanx.data.loader import BatchLoader, TokenDataset
+from phalanx.data.loader import BatchLoader, TokenDataset, check_batch_sizes
 from phalanx.data.prepare import PreparedData
 from phalanx.errors import PhalanxError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
-from phalanx.models.llama import Transformer
-from phalanx.parallel.apply import gradient_sync, parallelize
+from phalanx.parallel.apply import gradient_sync
+from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib
 from phalanx.parallel.distributed import DistEnv, all_reduce_sum, init_distributed, teardown
+from phalanx.parallel.mesh import build_mesh, dp_coordinate, resolve_layout
+from phalanx.parallel.tensor_parallel import check_tp
 from phalanx.run.checkpoints import (
     check_model_shape,
     list_checkpoints,
@@ -41,15 +43,16 @@ from phalanx.run.jsonl import JsonlSink, MetricsSink, NullSink, json_safe
 from phalanx.run.layout import RunDir, step_dir_name
 from phalanx.run.prepare import prepared_data
 from phalanx.run.records import JsonlEventSink
+from phalanx.run.safe_dcp import check_metadata
 from phalanx.safe.heartbeat import Heartbeat
 from phalanx.safe.inject import FaultInjector
 from phalanx.safe.numerics import NumericsGuard
 from phalanx.safe.stacks import register_stack_dump
 from phalanx.safe.stragglers import ComputeClock, StragglerDetector
-from phalanx.train.checkpoint import Checkpointer
+from phalanx.train.checkpoint import Checkpointer, SaveOutcome, verify_in_parallel
 from phalanx.train.evaluate import Evaluator
 from phalanx.train.optim import build_optimizer, clip_gradients, lr_at
-from phalanx.train.progress import ProgressLine
+from phalanx.train.progress import ProgressLine, notice
 
 
 def train(config: Config, attempt: int = 0) -> dict[str, Any]:
@@ -83,22 +86,28 @@ class Trainer:
         data = prepared_data(self.run_dir)
         self.args = model_args(config.model, data.vocab_size, tc.seq_len)
         torch.manual_seed(tc.seed)
-        model = Transformer(self.args).to(env.device)  # built on CPU first: the same weights on any device
+        self.layout = resolve_layout(config.parallel, env.world_size)
+        mesh = build_mesh(self.layout, env.device.type)
+        dp_rank, dp_world = dp_coordinate(mesh, self.layout)  # tensor-parallel ranks share one: same batches
+        self.env = env = dataclasses.replace(env, dp_rank=dp_rank, dp_world=dp_world)
         dtype = compute_dtype(tc.dtype, env.device)
-        self.model = parallelize(model, config.parallel.strategy, env,
-                                 activation_checkpointing=tc.activation_checkpointing, compile=tc.compile, dtype=dtype)
+        # Built on the meta device and materialised shard by shard: the same weights under any layout.
+        self.model = build_parallel_model(self.args, self.layout, mesh, env.device, seed=tc.seed,
+                                          activation_checkpointing=tc.activation_checkpointing, compile=tc.compile,
+                                          dtype=dtype, float8=tc.dtype == "float8")
         # Under FSDP the mixed-precision policy casts parameters; elsewhere autocast does.
-        fsdp = env.distributed and config.parallel.strategy == "fsdp"
-        use_autocast = dtype != torch.float32 and not fsdp
+        use_autocast = dtype != torch.float32 and not uses_fsdp(self.layout)
         self.autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
         self.optimizer = build_optimizer(self.model, tc)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
+        check_batch_sizes(tc.global_batch_size, tc.micro_batch_size, env.dp_world)  # an elastic regroup, too
         self.loader = BatchLoader(TokenDataset(data.train_shards, tc.seq_len), tc.seq_len, tc.global_batch_size,
-                                  tc.micro_batch_size, env.rank, env.world_size, tc.seed,
+                                  tc.micro_batch(env.dp_world), env.dp_rank, env.dp_world, tc.seed,
                                   pin_memory=env.device.type == "cuda")
         self.evaluator = Evaluator(TokenDataset(data.val_shards, tc.seq_len), tc, env, self.autocast)
-        self.checkpointer = Checkpointer(run.checkpoints, config.checkpoint.keep, env)
+        self.checkpointer = Checkpointer(run.checkpoints, config.checkpoint.keep, env,
+                                         asynchronous=config.checkpoint.async_save)
         self.guard = NumericsGuard(self.safe.spike_zscore, self.safe.spike_window)
         self.clock = ComputeClock(env.device)
         self.stragglers = StragglerDetector(self.safe.straggler_window, self.safe.straggler_threshold,
@@ -119,9 +128,13 @@ class Trainer:
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         tc = self.tc
-        step = self._resume(resume_path(self.config, self.env, self.events))
+        path = resume_path(self.config, self.env, self.events)
+        step = self._resume(path)
+        if path is not None:
+            notice(f"resuming from step {step} (checkpoint {path})", self.env.is_main)
         self.progress = ProgressLine(tc.max_steps, step, enabled=self.env.is_main)
         if step == 0:
+            notice("evaluating at step 0", self.env.is_main)
             self._evaluate(0)
         end_step = tc.halt_at_step or tc.max_steps
         timed_steps, timed_seconds = 0, 0.0
@@ -149,9 +162,11 @@ class Trainer:
                 if self.stragglers.due(step):
                     self._check_stragglers(step)
                 self.sink.write(record)
-                self.progress.update(step, record["loss"], tps, self.state.get("val_loss"))
+                self.progress.update(step, record["loss"], tps, self.state.get("val_loss"), last=step == end_step)
                 if step % self.config.checkpoint.interval == 0 or step == end_step:
                     self._save(step, final=step == end_step)
+                else:
+                    self._report_save(self.checkpointer.finish(wait=False))  # publish an async save once written
         self.heartbeat.beat("done", step)
         self.sink.close()
         self.rank_sink.close()
@@ -219,27 +234,42 @@ class Trainer:
         if step == 0:
             self.state["val_loss_start"] = val_loss
             self.sink.write({"step": 0, "val_loss": val_loss, "eval_seconds": seconds})
+            notice(f"step 0: val loss {val_loss:.4f}", self.env.is_main)
         else:
             self.progress.log(f"step {step}: train loss {self.state['train_loss']:.4f}, val loss {val_loss:.4f}")
         return {"val_loss": val_loss, "eval_seconds": seconds}
 
     def _save(self, step: int, final: bool) -> None:
         self.heartbeat.beat("checkpoint", step)
+        self._report_save(self.checkpointer.finish(wait=True))  # an async save still being written
         state = {"loader": self.loader.state_dict(), "model_args": dataclasses.asdict(self.args),
                  "world_size": self.env.world_size, "numerics_recent": list(self.guard.recent),
                  **{k: self.state.get(k) for k in ("val_loss_start", "val_loss", "train_loss")}}
         path = self.checkpointer.root / step_dir_name(step)
         for tries in range(2 if final else 1):  # the last save gets one retry: no later interval comes
             t0 = time.perf_counter()
-            result = self.checkpointer.save(step, self.model, self.optimizer, state,
+            error = self.checkpointer.start(step, self.model, self.optimizer, state,
                                             storage_writer=self.faults.storage_writer(step, path))
-            seconds = time.perf_counter() - t0
-            if isinstance(result, Path):
-                self.last_checkpoint = str(result)
-                self._emit("checkpoint_saved", step=step, seconds=seconds, path=str(result))
+            if error is None and self.checkpointer.asynchronous and not final:
+                return  # written in the background; published and reported by a later finish()
+            outcome = self.checkpointer.finish(wait=True) if error is None else None
+            if outcome is None:
+                outcome = SaveOutcome(step, error, time.perf_counter() - t0, time.perf_counter() - t0)
+            if self._report_save(outcome, retry=tries == 0 and final):
                 return
-            self._emit("save_failed", step=step, seconds=seconds, error=result, retry=tries == 0 and final)
-            self.progress.log(f"step {step}: checkpoint save failed ({result}); training goes on")
+
+    def _report_save(self, outcome: SaveOutcome | None, retry: bool = False) -> bool:
+        """An event (and a console line if it failed) for a finished save; whether it succeeded."""
+        if outcome is None:
+            return False
+        times = {"seconds": outcome.write_seconds, "stall_seconds": outcome.stall_seconds}
+        if isinstance(outcome.result, Path):
+            self.last_checkpoint = str(outcome.result)
+            self._emit("checkpoint_saved", step=outcome.step, path=str(outcome.result), **times)
+            return True
+        self._emit("save_failed", step=outcome.step, error=outcome.result, retry=retry, **times)
+        self.progress.log(f"step {outcome.step}: checkpoint save failed ({outcome.result}); training goes on")
+        return False
 
     def _resume(self, path: Path | None) -> int:
         if path is None:
@@ -259,6 +289,7 @@ class Trainer:
         """Reload the newest checkpoint and replay from it, once per step; False means skip instead."""
         if self.safe.numerics != "rollback" or step in self.rolled_back_at:
             return False
+        self._report_save(self.checkpointer.finish(wait=True))  # the newest save counts too
         path = resume_path(self.config, self.env, self.events)  # verified, as for a restart
         if path is None:
             return False
@@ -313,15 +344,17 @@ def resume_path(config: Config, env: DistEnv, events: JsonlEventSink | None = No
     The run directory's newest sound checkpoint: with `checkpoint.resume` set to `never` or a path, the
     launcher moved older ones aside (run.prepare.start_timeline), so whatever is there was written by this
     launch, and restarts or a re-formed group continue from it. With none there, `never` starts at step
-    0 and a path loads that checkpoint. Rank 0 checks candidates against their manifests, sets corrupt
-    ones aside (an event each) and shares its choice.
+    0 and a path loads that checkpoint. Every rank checks its share of a candidate's files against the
+    manifest, in parallel (the directory is shared); rank 0 sets corrupt ones aside (an event each).
     """
-    found: list[Any] = [None]
-    if env.is_main:
-        def report(path: Path, reason: str) -> None:
-            if events is not None:
-                events.emit("checkpoint_corrupt", rank=0, path=str(path), reason=reason)
-        found[0] = newest_valid_checkpoint(RunDir(config.run_dir).checkpoints, report) or explicit_checkpoint(config)
+    def report(path: Path, reason: str) -> None:
+        if events is not None:
+            events.emit("checkpoint_corrupt", rank=0, path=str(path), reason=reason)
+
+    found: list[Any] = [newest_valid_checkpoint(RunDir(config.run_dir).checkpoints, report if env.is_main else None,
+                                                verify=lambda path: verify_in_parallel(path, env))]
+    if env.is_main and found[0] is None:
+        found[0] = explicit_checkpoint(config)
     if env.distributed:
         dist.broadcast_object_list(found, src=0)
     return found[0]
@@ -339,11 +372,14 @@ def explicit_checkpoint(config: Config) -> Path | None:
     return path
 
 
-def check_run(config: Config, data: PreparedData) -> None:
+def check_run(config: Config, data: PreparedData) -> Path | None:
     """What the ranks would refuse, checked once before they start, so it is one line from the launcher:
-    the model's shape, data enough for a sequence, and the shape of the checkpoint it would resume
-    (the newest whose trainer state reads; the ranks verify its files)."""
-    args = dataclasses.asdict(model_args(config.model, data.vocab_size, config.train.seq_len))
+    the model's shape, data enough for a sequence, and the shape and safe metadata of the checkpoint it
+    would resume (the newest whose trainer state reads; the ranks verify its files), which it returns."""
+    shape = model_args(config.model, data.vocab_size, config.train.seq_len)
+    if config.parallel.tp > 1:
+        check_tp(shape, config.parallel.tp)
+    args = dataclasses.asdict(shape)
     TokenDataset(data.train_shards, config.train.seq_len, "the training split")
     TokenDataset(data.val_shards, config.train.seq_len, "the validation split")
     for path in reversed(list_checkpoints(RunDir(config.run_dir).checkpoints)):
@@ -352,10 +388,13 @@ def check_run(config: Config, data: PreparedData) -> None:
         except PhalanxError:
             continue  # unreadable: the ranks will set it aside
         check_model_shape(path, args)
-        return
+        check_metadata(path)  # a crafted checkpoint is refused here, before any rank could open it
+        return path
     explicit = explicit_checkpoint(config)
     if explicit is not None:
         check_model_shape(explicit, args)
+        check_metadata(explicit)
+    return explicit
 
 
 def attempt_number() -> int:

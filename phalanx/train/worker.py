@@ -6,15 +6,38 @@ resolved config in the run directory; each rank only reads it.
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
+import warnings
 
 from phalanx.config.loader import load_config
 from phalanx.errors import PhalanxError
 from phalanx.train.trainer import attempt_number, train
 
+# `phalanx --debug` sets this for the whole job; then torch's own warnings and log lines are shown too.
+DEBUG_ENV = "PHALANX_DEBUG"
+
+
+def quiet_torch() -> None:
+    """Keep torch's chatter off the run's console unless --debug: DDP's `broadcast_buffers` deprecation
+    (phalanx relies on its current meaning) and torch.distributed's log lines, which the node agent
+    reports in its own words."""
+    if os.environ.get(DEBUG_ENV) == "1":
+        return
+    warnings.filterwarnings("ignore", message=r"`broadcast_buffers` is deprecated", category=FutureWarning)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
 
 def main(argv: list[str]) -> int:
     (config_path,) = argv
+    quiet_torch()
+    # Ctrl-C stops the job through the node agent, which passes SIGINT on to its ranks. As Python's
+    # KeyboardInterrupt it would print a traceback per rank, and inside a checkpoint save DCP would catch
+    # it as that save's failure and train on; ended at once, as by SIGTERM, the rank stops where it is (its
+    # newest checkpoint is intact) and the agent says what happened, once.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         train(load_config(config_path), attempt=attempt_number())
     except PhalanxError as exc:

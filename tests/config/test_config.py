@@ -104,3 +104,83 @@ def test_run_is_named_after_its_config_file(tmp_path):
     named = write(tmp_path / "other.yaml", {"run": {"name": "kept"}})
     assert load_config(named).run.name == "kept"
     assert load_config(named, ["run.name=cli"]).run.name == "cli"
+
+
+def _off_keys() -> list[tuple[str, object]]:
+    """Every key where YAML's `off` has a meaning, with that meaning: found from the schema itself, so a
+    new key with choices (or an optional number) is covered without being listed here."""
+    from phalanx.config.schema import _NO_MEANING, Config, _off_meaning
+
+    found = []
+    for section, field in Config.model_fields.items():
+        model = field.annotation
+        for key, sub in model.model_fields.items():
+            meaning = model.OFF_MEANS[key] if key in model.OFF_MEANS else _off_meaning(sub.annotation)
+            if meaning is not _NO_MEANING:
+                found.append((f"{section}.{key}", meaning))
+    return found
+
+
+def test_off_keys_include_the_yaml_traps():
+    keys = dict(_off_keys())
+    assert keys["safe.preflight"] == "off" and keys["safe.numerics"] == "none"
+    assert keys["parallel.strategy"] == "none" and keys["observe.store"] == "none"
+    assert keys["checkpoint.resume"] == "never" and keys["observe.metrics_port"] is None
+    assert "train.compile" not in keys and "run.name" not in keys  # a switch, and a name
+
+
+@pytest.mark.parametrize("key, meaning", _off_keys())
+@pytest.mark.parametrize("spelling", ["off", "Off", "'off'", "no"])
+def test_off_as_people_write_it(tmp_path, key, meaning, spelling):
+    section, leaf = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {leaf}: {spelling}\n")
+    from_file = load_config(path)
+    from_line = load_config(None, [f"{key}={spelling}"])
+    for config in (from_file, from_line):
+        value = getattr(getattr(config, section), leaf)
+        assert value == meaning, f"{key}: {spelling} gave {value!r}"
+
+
+def test_metrics_port_off_is_not_port_zero():
+    """pydantic would take false as 0, which means "any free port": the opposite of off."""
+    assert load_config(None, ["observe.metrics_port=off"]).observe.metrics_port is None
+    assert load_config(None, ["observe.metrics_port=0"]).observe.metrics_port == 0
+
+
+def test_a_boolean_where_none_fits_says_why():
+    with pytest.raises(PhalanxError) as exc:
+        load_config(None, ["run.name=no"])
+    assert "run.name" in str(exc.value) and "quote it" in str(exc.value)
+    with pytest.raises(PhalanxError, match="'quick', 'full' or 'off'.*quote it"):
+        load_config(None, ["safe.preflight=on"])
+
+
+def test_the_readme_config_block_loads(tmp_path):
+    """The README's own config block, as the issue found it failing (`preflight: off`)."""
+    from tests.test_readme import readme_config
+
+    path = tmp_path / "my.yaml"
+    path.write_text(readme_config())
+    config = load_config(path)
+    assert config.safe.preflight == "off" and config.run.name == "my-exp"
+
+
+def test_micro_batch_is_derived_from_the_global_batch_per_rank_count():
+    config = load_config(None)  # the demo leaves it null
+    assert config.train.micro_batch_size is None
+    assert [config.train.micro_batch(n) for n in (1, 2, 4, 8)] == [16, 8, 4, 2]
+    assert config.train.eval_windows == 8 * 16  # the same held-out windows on any rank count
+    fixed = load_config(None, ["train.micro_batch_size=4"])
+    assert [fixed.train.micro_batch(n) for n in (1, 2)] == [4, 4] and fixed.train.eval_windows == 8 * 4
+
+
+def test_derived_micro_batch_must_share_evenly():
+    from phalanx.data.loader import check_batch_sizes
+
+    for ranks in (1, 2, 4, 8, 16):
+        check_batch_sizes(16, None, ranks)
+    with pytest.raises(PhalanxError, match=r"multiple of the 3 data-parallel ranks"):
+        check_batch_sizes(16, None, 3)
+    with pytest.raises(PhalanxError, match=r"multiple of the 32 data-parallel ranks"):
+        check_batch_sizes(16, None, 32)

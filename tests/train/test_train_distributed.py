@@ -29,3 +29,16 @@ def test_exact_resume_two_ddp_ranks(tiny_args):
     assert train_json(*halted, "train.halt_at_step=6", "--nproc", "2")["steps"] == 6
     resumed = train_json(*halted, "--nproc", "2")
     assert losses_by_step(whole["run_dir"]) == losses_by_step(resumed["run_dir"])
+
+
+def test_a_null_micro_batch_splits_the_global_batch_over_any_rank_count(tiny_args):
+    """train.micro_batch_size null (the shipped default): each rank takes its share of the global batch in
+    one pass, so the same config trains on 1 and 2 ranks to the same losses and the same validation set."""
+    derived = [*tiny_args, "train.micro_batch_size=null", "train.max_steps=4", "checkpoint.interval=4"]
+    one = train_json(*rename(derived, "-one"))
+    two = train_json(*rename(derived, "-two"), "--nproc", "2")
+    a, b = losses_by_step(one["run_dir"]), losses_by_step(two["run_dir"])
+    assert a.keys() == b.keys() == {1, 2, 3, 4}
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-5)
+    assert two["val_loss_start"] == pytest.approx(one["val_loss_start"], rel=1e-6)
