@@ -14,7 +14,7 @@ import torch
 from phalanx.config.schema import ParallelSection
 from phalanx.errors import PhalanxError
 from phalanx.parallel.mesh import Layout, resolve_layout
-from tests.helpers import losses_by_step, phalanx, train_json
+from tests.helpers import losses_by_step, train_json
 
 WORKER = Path(__file__).with_name("layout_worker.py")
 
