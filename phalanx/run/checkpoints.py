@@ -37,6 +37,14 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    """Step directories without a manifest: never a finished save (it writes the manifest before its
+    rename), so something removed it; they are not checkpoints."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) and not (p / MANIFEST).is_file())
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     found = list_checkpoints(root)
     return found[-1] if found else None

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from phalanx.parallel.mesh import build_mesh, dp_coordinate, resolve_layout
 from phalanx.parallel.tensor_parallel import check_tp
 from phalanx.run.checkpoints import (
     check_model_shape,
+    incomplete_checkpoints,
     list_checkpoints,
     newest_valid_checkpoint,
     read_trainer_state,
@@ -345,19 +347,39 @@ def resume_path(config: Config, env: DistEnv, events: JsonlEventSink | None = No
     launcher moved older ones aside (run.prepare.start_timeline), so whatever is there was written by this
     launch, and restarts or a re-formed group continue from it. With none there, `never` starts at step
     0 and a path loads that checkpoint. Every rank checks its share of a candidate's files against the
-    manifest, in parallel (the directory is shared); rank 0 sets corrupt ones aside (an event each).
+    manifest, in parallel (the directory is shared); rank 0 sets corrupt ones aside and says so, on the
+    console and as an event each, and names step directories without a manifest, which it skips. When
+    corrupt checkpoints leave none to resume from, starting over at step 0 needs checkpoint.resume=never:
+    otherwise the ranks stop with the reason (exit 2) rather than retrain silently.
     """
+    root = RunDir(config.run_dir).checkpoints
+    corrupt: list[str] = []
+
     def report(path: Path, reason: str) -> None:
+        corrupt.append(f"{path.name}: {reason}")
+        _warn(f"checkpoint {path} is corrupt ({reason}); set aside as corrupt-{path.name}")
         if events is not None:
             events.emit("checkpoint_corrupt", rank=0, path=str(path), reason=reason)
 
-    found: list[Any] = [newest_valid_checkpoint(RunDir(config.run_dir).checkpoints, report if env.is_main else None,
+    if env.is_main:
+        for path in incomplete_checkpoints(root):
+            _warn(f"{path} has no manifest (a save never finishes without one); it is skipped")
+            if events is not None:
+                events.emit("checkpoint_incomplete", rank=0, path=str(path))
+    found: list[Any] = [newest_valid_checkpoint(root, report if env.is_main else None,
                                                 verify=lambda path: verify_in_parallel(path, env))]
     if env.is_main and found[0] is None:
         found[0] = explicit_checkpoint(config)
+        if found[0] is None and corrupt and config.checkpoint.resume != "never":
+            raise PhalanxError(f"no sound checkpoint is left to resume from ({'; '.join(corrupt)}); set "
+                               "checkpoint.resume=never to start over from step 0")
     if env.distributed:
         dist.broadcast_object_list(found, src=0)
     return found[0]
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def explicit_checkpoint(config: Config) -> Path | None:
