@@ -12,7 +12,9 @@ from phalanx.run.prepare import prepared_data
 from tests.helpers import phalanx, train_json
 
 
-def test_zeroed_bytes_in_a_shard_are_refused_before_training(tiny_args):
+def test_zeroed_bytes_in_a_shard_are_refused_before_training(tiny_args, tmp_path):
+    # Its own runs root: the prepared-data cache it corrupts must not be the one other tests share.
+    tiny_args = [a for a in tiny_args if not a.startswith("run.dir=")] + [f"run.dir={tmp_path}"]
     summary = train_json(*tiny_args, "train.max_steps=2")
     data: PreparedData = prepared_data(RunDir(summary["run_dir"]).path)
     shard = data.train_shards[0]
@@ -27,3 +29,4 @@ def test_zeroed_bytes_in_a_shard_are_refused_before_training(tiny_args):
     assert f"corrupt token shard {shard}" in proc.stderr and "checksum" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (Path(summary["run_dir"]).parent / "after-corruption" / "metrics.jsonl").exists()
+    assert str(tmp_path) in str(shard)
