@@ -40,11 +40,15 @@ def job_info(job_id: str) -> dict[str, str]:
     return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
 
-def wait_job(job_id: str, states: tuple[str, ...] = FINISHED, timeout: float = 300) -> dict[str, str]:
+def wait_job(job_id: str, states: tuple[str, ...] = FINISHED, timeout: float = 300,
+             min_restarts: int = 0) -> dict[str, str]:
+    """Until the job is in one of `states` having been requeued at least `min_restarts` times (a job is
+    PENDING before its first start too, so waiting for a requeue needs the count)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = job_info(job_id)
-        if info["JobState"] in states:
+        if info["JobState"] in states and (int(info.get("Restarts", "0")) >= min_restarts
+                                           or info["JobState"] in FINISHED):
             return info
         time.sleep(0.5)
     pytest.fail(f"job {job_id} still {job_info(job_id)['JobState']} after {timeout:.0f} s, not {'/'.join(states)}")

@@ -67,7 +67,7 @@ def test_the_time_limit_signal_requeues_and_the_job_resumes_with_no_step_lost(sl
     # What --signal=TERM@120 does before the time limit: SIGTERM to the job's steps (the node agents),
     # not to the batch shell, which then requeues the job itself.
     subprocess.run(["scancel", "--signal=TERM", job], check=True, timeout=30)
-    info = wait_job(job, ("PENDING", *FINISHED), timeout=120)
+    info = wait_job(job, ("PENDING", *FINISHED), timeout=120, min_restarts=1)
     assert info["JobState"] == "PENDING" and info["Restarts"] == "1", job_output(script, job)
     info = wait_job(job)
     output = job_output(script, job)
@@ -103,7 +103,7 @@ def test_restarts_exhausted_is_requeued_until_max_requeues(slurm, tiny_args, tmp
     kill = 'safe.inject=[{"fault": "kill", "rank": 1, "step": 2, "repeat": true}]'
     report = submit([*tiny_args, kill, "safe.max_restarts=0"], script, "--max-requeues", "1")
     job = report["job_id"]
-    info = wait_job(job, ("PENDING", *FINISHED), timeout=300)  # exit 4: requeued
+    info = wait_job(job, ("PENDING", *FINISHED), timeout=300, min_restarts=1)  # exit 4: requeued
     assert info["JobState"] == "PENDING" and info["Restarts"] == "1", job_output(script, job)
     info = wait_job(job)
     output = job_output(script, job)
