@@ -61,8 +61,6 @@ def resolve_layout(section: ParallelSection, world_size: int) -> Layout:
     if layout.world_size != world_size or not replicate or not shard:
         raise PhalanxError(f"the layout dp_replicate={section.dp_replicate or '?'} x dp_shard={section.dp_shard or '?'} "
                            f"x tp={tp} does not multiply to the world size {world_size} (parallel.*)")
-    if world_size > 1 and section.strategy == "none":
-        raise PhalanxError(f"parallel.strategy=none runs one process, not {world_size}")
     return layout
 
 

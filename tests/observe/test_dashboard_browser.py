@@ -16,10 +16,8 @@ import pytest
 from phalanx.observe.app import create_app, running
 from phalanx.observe.store import RunStore
 from tests.helpers import read_metrics, train_json
+from tests.observe.conftest import CHROMIUM
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 TOKEN = "browser-test-token-0123456789"
 RUN = "dash-drill"
 EVIL = '<img src=x onerror="document.body.dataset.pwned=1">'
@@ -49,32 +47,11 @@ def url(drill):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
 def screenshots(tmp_path_factory) -> Path:
     folder = Path(os.environ.get("PHALANX_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
     folder.mkdir(parents=True, exist_ok=True)
     print(f"\ndashboard screenshots: {folder}")
     return folder
-
-
-@pytest.fixture
-def page(browser):
-    """A fresh page that records script errors and console errors (a CSP violation shows up there)."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    page.errors = []
-    page.on("pageerror", lambda error: page.errors.append(str(error)))
-    page.on("console", lambda message: page.errors.append(message.text) if message.type == "error" else None)
-    yield page
-    context.close()
 
 
 def figure(page, name: str) -> list[dict]:

@@ -18,7 +18,8 @@ from phalanx.observe.figures import COMPARE_CHARTS
 from phalanx.observe.store import RunStore
 from tests.helpers import train_json
 from tests.observe.dashboard_runs import fill_run
-from tests.observe.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, figure
+from tests.observe.conftest import CHROMIUM
+from tests.observe.test_dashboard_browser import figure
 
 RUN = "charts-drill"
 TOKEN = "charts-browser-token-0123456789"
@@ -49,31 +50,11 @@ def site(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
 def shots(tmp_path_factory) -> Path:
     folder = Path(os.environ.get("PHALANX_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
     folder.mkdir(parents=True, exist_ok=True)
     print(f"\ndashboard chart screenshots: {folder}")
     return folder
-
-
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    page.errors = []
-    page.on("pageerror", lambda error: page.errors.append(str(error)))
-    page.on("console", lambda message: page.errors.append(message.text) if message.type == "error" else None)
-    yield page
-    context.close()
 
 
 def open_run(page, site, run_id: int, query: str = "") -> None:
