@@ -149,8 +149,8 @@ class TrainSection(Section):
 
 
 class ParallelSection(Section):
-    """How the ranks share the model: a device mesh dp_replicate x dp_shard x tp (parallel/mesh.py),
-    whose size is the world size."""
+    """How the ranks share the model: a device mesh pp x dp_replicate x dp_shard x cp x tp
+    (parallel/mesh.py), whose size is the world size."""
 
     # Where the data-parallel ranks go when dp_replicate and dp_shard are not given: ddp replicates the
     # model on each, fsdp shards it across them. With one process there is nothing to share.
@@ -160,6 +160,10 @@ class ParallelSection(Section):
     dp_replicate: PositiveInt | None = Field(None, description="model replicas (DDP, or HSDP's outer dim)")
     dp_shard: int | None = Field(None, ge=-1, description="ranks one FSDP2 shard group spans; -1: the rest")
     tp: PositiveInt = Field(1, description="tensor-parallel ranks (DTensor: heads and FFN split)")
+    pp: PositiveInt = Field(1, description="pipeline stages (torch.distributed.pipelining), split by layer")
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    pp_microbatches: PositiveInt | None = Field(None, description="micro-batches per pipeline step; null: pp")
+    cp: PositiveInt = Field(1, description="context-parallel ranks: each holds a slice of every sequence")
 
     @model_validator(mode="after")
     def _check_degrees(self) -> "ParallelSection":

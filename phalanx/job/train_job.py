@@ -143,7 +143,7 @@ def _starting_line(config: Config, spec: LaunchSpec, model: str) -> str:
     where = f" on this node (node {spec.node_rank} of {low if low == high else f'{low}-{high}'})" if high > 1 else ""
     ranks = spec.world_sizes()[0]
     layout = resolve_layout(config.parallel, ranks)
-    how = (layout.describe() if layout.tp > 1 else config.parallel.strategy) if ranks > 1 else "one process"
+    how = (layout.describe() if layout.model_parallel > 1 else config.parallel.strategy) if ranks > 1 else "one process"
     micro = tc.micro_batch(layout.dp)
     accumulation = tc.global_batch_size // (micro * layout.dp) if micro else 1
     batch = f"{tc.global_batch_size} x {tc.seq_len} tokens" + (

@@ -1,10 +1,13 @@
-"""The layout of a job: how many ranks replicate, shard and tensor-split the model, as one DeviceMesh.
+"""The layout of a job: how many ranks pipeline, replicate, shard, context-split and tensor-split the
+model, as one DeviceMesh.
 
-Mesh dimensions, outermost first: dp_replicate (whole-model replicas: DDP, or HSDP's replica groups),
-dp_shard (FSDP2 shard groups) and tp (tensor parallelism, innermost so its frequent collectives stay
-between the nearest ranks, inside one node). Their product is the world size. Batches depend only on a
-rank's data-parallel coordinate (dp_replicate x dp_shard), so the tp ranks of one replica see the same
-tokens and the global batch sequence never depends on the layout.
+Mesh dimensions, outermost first (torchtitan's order): pp (pipeline stages: point-to-point traffic only,
+so it may cross nodes), dp_replicate (whole-model replicas: DDP, or HSDP's replica groups), dp_shard
+(FSDP2 shard groups), cp (context parallelism: each rank holds a slice of every sequence) and tp (tensor
+parallelism, innermost so its frequent collectives stay between the nearest ranks, inside one node).
+Their product is the world size. Batches depend only on a rank's data-parallel coordinate
+(dp_replicate x dp_shard), so the pp, cp and tp ranks of one replica see the same tokens and the global
+batch sequence never depends on the layout.
 """
 
 from __future__ import annotations
@@ -15,15 +18,25 @@ from phalanx.config.schema import ParallelSection
 from phalanx.errors import PhalanxError
 
 
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
 @dataclass(frozen=True)
 class Layout:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp * self.model_parallel
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that share one data-parallel slice of each batch: pp x cp x tp."""
+        return self.pp * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -31,25 +44,29 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     def describe(self) -> str:
-        return f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp}"
+        parts = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                 ("cp", self.cp), ("tp", self.tp)]
+        return " x ".join(f"{name}={size}" for name, size in parts if size > 1 or name.startswith("dp_"))
 
 
 def resolve_layout(section: ParallelSection, world_size: int) -> Layout:
     """The layout the config asks for on `world_size` ranks, or a PhalanxError naming the mismatch.
 
-    Ranks left over by tp go to dp_shard under strategy fsdp and to dp_replicate under ddp, unless
-    parallel.dp_replicate / parallel.dp_shard say otherwise (dp_shard=-1: all that is left)."""
-    tp = section.tp
-    if world_size % tp:
-        raise PhalanxError(f"parallel.tp={tp} does not divide the world size {world_size}")
-    rest = world_size // tp
+    Ranks left over by pp x cp x tp go to dp_shard under strategy fsdp and to dp_replicate under ddp,
+    unless parallel.dp_replicate / parallel.dp_shard say otherwise (dp_shard=-1: all that is left)."""
+    tp, pp, cp = section.tp, section.pp, section.cp
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise PhalanxError(f"parallel.pp={pp} x cp={cp} x tp={tp} = {model_parallel} does not divide the world "
+                           f"size {world_size}")
+    rest = world_size // model_parallel
     replicate, shard = section.dp_replicate, section.dp_shard
     if shard == -1:
         if replicate is None:
             replicate = 1
         if rest % replicate:
-            raise PhalanxError(f"parallel.dp_replicate={replicate} x tp={tp} does not divide the world size "
-                               f"{world_size}")
+            raise PhalanxError(f"parallel.dp_replicate={replicate} x pp x cp x tp = {replicate * model_parallel} "
+                               f"does not divide the world size {world_size}")
         shard = rest // replicate
     if replicate is None and shard is None:
         replicate, shard = (rest, 1) if section.strategy == "ddp" else (1, rest)
@@ -57,10 +74,11 @@ def resolve_layout(section: ParallelSection, world_size: int) -> Layout:
         replicate = rest // shard if rest % shard == 0 else 0
     elif shard is None:
         shard = rest // replicate if rest % replicate == 0 else 0
-    layout = Layout(replicate, shard, tp)
+    layout = Layout(replicate, shard, tp, pp, cp)
     if layout.world_size != world_size or not replicate or not shard:
-        raise PhalanxError(f"the layout dp_replicate={section.dp_replicate or '?'} x dp_shard={section.dp_shard or '?'} "
-                           f"x tp={tp} does not multiply to the world size {world_size} (parallel.*)")
+        raise PhalanxError(f"the layout pp={pp} x dp_replicate={section.dp_replicate or '?'} x "
+                           f"dp_shard={section.dp_shard or '?'} x cp={cp} x tp={tp} does not multiply to the world "
+                           f"size {world_size} (parallel.*)")
     return layout
 
 
@@ -70,8 +88,8 @@ def build_mesh(layout: Layout, device_type: str):
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return init_device_mesh(device_type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
+                            mesh_dim_names=MESH_DIMS)
 
 
 def dp_coordinate(mesh, layout: Layout) -> tuple[int, int]:

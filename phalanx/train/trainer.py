@@ -401,6 +401,9 @@ def check_run(config: Config, data: PreparedData) -> Path | None:
     shape = model_args(config.model, data.vocab_size, config.train.seq_len)
     if config.parallel.tp > 1:
         check_tp(shape, config.parallel.tp)
+    for key in ("pp", "cp"):  # the keys exist so layouts can be planned; training with them comes next
+        if getattr(config.parallel, key) > 1:
+            raise PhalanxError(f"parallel.{key} > 1 is not supported by the trainer yet")
     args = dataclasses.asdict(shape)
     TokenDataset(data.train_shards, config.train.seq_len, "the training split")
     TokenDataset(data.val_shards, config.train.seq_len, "the validation split")

@@ -27,13 +27,16 @@ WORKER = Path(__file__).with_name("layout_worker.py")
     ({"tp": 2, "strategy": "fsdp"}, 8, Layout(1, 4, 2)),
     ({"dp_replicate": 2, "dp_shard": -1}, 8, Layout(2, 4, 1)),
     ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 8, Layout(2, 2, 2)),
+    ({"pp": 2, "strategy": "fsdp"}, 4, Layout(1, 2, 1, pp=2)),
+    ({"pp": 2, "cp": 2, "tp": 2}, 16, Layout(2, 1, 2, pp=2, cp=2)),
 ])
 def test_layout_from_config(given, world, expected):
     assert resolve_layout(ParallelSection(**given), world) == expected
 
 
 @pytest.mark.parametrize("given, world, message", [
-    ({"tp": 3}, 4, "parallel.tp=3 does not divide the world size 4"),
+    ({"tp": 3}, 4, r"parallel.pp=1 x cp=1 x tp=3 = 3 does not divide the world size 4"),
+    ({"pp": 2, "tp": 2}, 6, r"parallel.pp=2 x cp=1 x tp=2 = 4 does not divide the world size 6"),
     ({"dp_replicate": 2, "dp_shard": 3}, 8, "does not multiply to the world size 8"),
     ({"dp_shard": 3}, 4, "does not multiply to the world size 4"),
 ])
