@@ -17,7 +17,8 @@ def register(app: typer.Typer) -> None:
                                                  "or an HF export."),
         fmt: str = typer.Option(..., "--format", help="hf (transformers) or gguf (llama.cpp, Ollama)."),
         out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
-        dtype: str = typer.Option("f32", "--dtype", help="Weight type: f32, f16 or bf16 (GGUF norms stay f32)."),
+        dtype: str = typer.Option("f32", "--dtype", help="Weight type: f32, f16 or bf16; for GGUF also q8_0, q5_1, "
+                                                           "q5_0, q4_1, q4_0 (norms stay f32)."),
         force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
         json_out: bool = JsonOpt,
     ) -> None:
@@ -26,6 +27,7 @@ def register(app: typer.Typer) -> None:
         Examples:
         phalanx export runs/demo --format hf --out exports/demo-hf
         phalanx export runs/demo --format gguf --out exports/demo-gguf --dtype f16
+        phalanx export runs/demo --format gguf --out exports/demo-q8 --dtype q8_0
         """
         from phalanx.export.export import export_run
 

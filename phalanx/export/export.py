@@ -9,14 +9,19 @@ from phalanx.export.out_dir import atomic_out_dir, check_out_dir
 
 FORMATS = ("hf", "gguf")
 DTYPES = ("f32", "f16", "bf16")
+# GGUF also writes llama.cpp's block-quantised types (gguf_export.py), largest first.
+QUANTISED = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+GGUF_DTYPES = (*DTYPES, *QUANTISED)
 
 
 def export_run(source: Path, fmt: str, out: Path, dtype: str = "f32", force: bool = False) -> list[Path]:
     """Write `source` in `fmt` to the directory `out`; returns the files in it."""
     if fmt not in FORMATS:
         raise PhalanxError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if dtype not in DTYPES:
-        raise PhalanxError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    allowed = GGUF_DTYPES if fmt == "gguf" else DTYPES
+    if dtype not in allowed:
+        extra = " (the quantised types are for --format gguf)" if dtype in GGUF_DTYPES else ""
+        raise PhalanxError(f"unknown --dtype {dtype!r} for --format {fmt}; choose one of {', '.join(allowed)}{extra}")
     source, out = Path(source), Path(out).absolute()
     if not source.is_dir():
         raise PhalanxError(f"run directory not found: {source}")

@@ -9,6 +9,10 @@ Two things differ from the HF export:
   row 2i, and row i + E/2 to row 2i + 1, makes llama.cpp rotate the same pairs by the same angles (the
   attention scores are unchanged, since q and k are permuted alike).
 - Norm weights stay float32 whatever --dtype says: llama.cpp computes norms in f32 and they are tiny.
+
+Quantised types (q8_0, q5_1, q5_0, q4_1, q4_0) are written with the gguf package's own quantisers
+(gguf.quants), block by block along each weight's rows as llama.cpp reads them; a weight whose rows are
+not a whole number of 32-value blocks is written as f16 instead, as llama.cpp's own quantiser does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tokenizers import Tokenizer
 from phalanx.data.chat_template import CHAT_TEMPLATE
 from phalanx.data.tokenizer import special_ids
 from phalanx.errors import PhalanxError
+from phalanx.export.export import QUANTISED
 from phalanx.export.tokenizer_files import ensure_special_tokens
 from phalanx.models.llama import ModelArgs, Transformer, rope_frequency_divisors
 from phalanx.run.model_loader import LoadedModel
@@ -124,12 +129,24 @@ def _vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[
     return tokens, [int(t) for t in types], merges
 
 
+def _file_type(dtype: str):
+    import gguf
+
+    return getattr(gguf.LlamaFileType, {"f32": "ALL_F32", "f16": "MOSTLY_F16"}.get(dtype, f"MOSTLY_{dtype.upper()}"))
+
+
 def _numpy_in(tensor: torch.Tensor, dtype: str) -> tuple[np.ndarray, object]:
     """(array, raw_dtype for GGUFWriter.add_tensor) of a float32 tensor stored as `dtype`."""
     import gguf
 
     if dtype == "f32" or tensor.ndim == 1:  # norms stay f32
         return tensor.numpy(), None
+    if dtype in QUANTISED:
+        qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
+        block, _ = gguf.GGML_QUANT_SIZES[qtype]
+        if tensor.shape[-1] % block == 0:
+            return gguf.quants.quantize(tensor.numpy(), qtype), qtype
+        dtype = "f16"
     if dtype == "f16":
         return tensor.to(torch.float16).numpy(), None
     # numpy has no bfloat16: hand the writer the raw 16-bit patterns and say what they are.
@@ -146,8 +163,7 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
 
     writer = gguf.GGUFWriter(str(path), arch="llama")  # also writes general.architecture
     writer.add_name(name)
-    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                          "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype])
+    writer.add_file_type(_file_type(dtype))
     writer.add_context_length(args.max_seq_len)
     writer.add_embedding_length(args.dim)
     writer.add_block_count(args.n_layers)
