@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def export(
         run_dir: Path = typer.Argument(..., help="A run directory (its newest checkpoint), a checkpoint directory, "
-                                                 "or an HF export."),
+                                                 "an HF or a GGUF export."),
         fmt: str = typer.Option(..., "--format", help="hf (transformers) or gguf (llama.cpp, Ollama)."),
         out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
         dtype: str = typer.Option("f32", "--dtype", help="Weight type: f32, f16 or bf16; for GGUF also q8_0, q5_1, "

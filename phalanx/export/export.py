@@ -38,8 +38,9 @@ def export_run(source: Path, fmt: str, out: Path, dtype: str = "f32", force: boo
 
             write_hf_export(loaded, tmp, dtype)
         else:
-            from phalanx.export.gguf_export import GGUF_FILE, write_gguf
+            from phalanx.export.gguf_export import write_gguf
             from phalanx.export.modelfile import modelfile
+            from phalanx.run.gguf_format import GGUF_FILE
 
             write_gguf(loaded, tmp / GGUF_FILE, loaded.name, dtype)
             (tmp / "Modelfile").write_text(modelfile(GGUF_FILE))

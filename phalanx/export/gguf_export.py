@@ -31,9 +31,8 @@ from phalanx.errors import PhalanxError
 from phalanx.export.export import QUANTISED
 from phalanx.export.tokenizer_files import ensure_special_tokens
 from phalanx.models.llama import ModelArgs, Transformer, rope_frequency_divisors
+from phalanx.run.gguf_format import ROPE_SCALING_KEYS, gguf_name, interleave_rotary_rows
 from phalanx.run.model_loader import LoadedModel
-
-GGUF_FILE = "model.gguf"
 
 # phalanx's tokenizer splits text with ByteLevel(use_regex=True), i.e. the GPT-2 regex
 #   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
@@ -45,39 +44,6 @@ PRE_TOKENIZER = "gpt-2"
 # Ollama's own Go engine ignores that name: for the llama architecture it reads the split regex itself
 # from tokenizer.ggml.pretokenizer and falls back to Llama 3's. So the regex is written out as well.
 PRE_TOKENIZER_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-# phalanx name (per layer: after "layers.N.") -> llama.cpp name (per layer: after "blk.N.")
-_LAYER_NAMES = {
-    "attention.wq.weight": "attn_q.weight",
-    "attention.wk.weight": "attn_k.weight",
-    "attention.wv.weight": "attn_v.weight",
-    "attention.wo.weight": "attn_output.weight",
-    "feed_forward.w1.weight": "ffn_gate.weight",
-    "feed_forward.w3.weight": "ffn_up.weight",
-    "feed_forward.w2.weight": "ffn_down.weight",
-    "attention_norm.weight": "attn_norm.weight",
-    "ffn_norm.weight": "ffn_norm.weight",
-}
-_TOP_NAMES = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-              "output.weight": "output.weight"}
-
-
-def gguf_name(name: str) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    _, index, rest = name.split(".", 2)
-    return f"blk.{index}.{_LAYER_NAMES[rest]}"
-
-
-def interleave_rotary_rows(w_OD: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder the output rows of a Q or K projection from rotate_half pairs (i, i + E/2) to interleaved
-    pairs (2i, 2i + 1), head by head. O = n_heads * E rows."""
-    O, D = w_OD.shape
-    E = O // n_heads
-    # (heads, half, E/2, D): half 0 holds the first members of the pairs, half 1 their partners; swapping
-    # the two middle axes puts each pair on adjacent rows.
-    return w_OD.reshape(n_heads, 2, E // 2, D).transpose(1, 2).reshape(O, D)
-
 
 def gguf_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under llama.cpp names, float32, Q/K permuted; output left out when tied
@@ -193,6 +159,9 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     divisors = rope_frequency_divisors(args)
     if divisors is not None:  # Llama 3.1 scaling: llama.cpp divides each RoPE frequency by these
         writer.add_tensor("rope_freqs.weight", divisors.numpy().astype(np.float32))
+        for name, key in ROPE_SCALING_KEYS.items():  # and phalanx's reader rebuilds the model's shape from these
+            value = getattr(args, name)
+            writer.add_uint32(key, value) if isinstance(value, int) else writer.add_float32(key, value)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

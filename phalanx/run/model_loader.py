@@ -1,5 +1,6 @@
-"""The one model loader: a run directory, a checkpoint directory or a Hugging Face export gives a model,
-its tokenizer and its chat template. `phalanx generate`, `serve`, `chat` and `export` all load here.
+"""The one model loader: a run directory, a checkpoint directory, a Hugging Face export or a GGUF export
+gives a model, its tokenizer and its chat template. `phalanx generate`, `serve`, `chat` and `export` all
+load here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from phalanx.data.tokenizer import load_tokenizer
 from phalanx.errors import PhalanxError
 from phalanx.models.llama import ModelArgs, Transformer
 from phalanx.run.checkpoints import latest_checkpoint, load_model_weights, read_trainer_state
+from phalanx.run.gguf_format import GGUF_FILE, gguf_file, read_gguf
 from phalanx.run.hf_format import is_hf_export, read_chat_template, read_hf_model, read_hf_tokenizer
 from phalanx.run.layout import TRAINER_STATE, RunDir, is_checkpoint_dir, run_of_checkpoint
 
@@ -23,26 +25,35 @@ from phalanx.run.layout import TRAINER_STATE, RunDir, is_checkpoint_dir, run_of_
 class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer
-    checkpoint: Path  # the checkpoint (or HF export) directory the weights came from
+    checkpoint: Path  # the checkpoint (or export directory, or GGUF file) the weights came from
     chat_template: str = CHAT_TEMPLATE
-    format: str = "dcp"  # "dcp" (a phalanx checkpoint) or "safetensors" (an HF export)
+    format: str = "dcp"  # "dcp" (a phalanx checkpoint), "safetensors" (an HF export) or "gguf"
 
     @property
     def name(self) -> str:
-        """The model's default name: its run's name for a checkpoint of a run, else the directory's name."""
-        run = run_of_checkpoint(self.checkpoint)
-        return (run.path if run is not None else Path(self.checkpoint)).absolute().name
+        """The model's default name: its run's name for a checkpoint of a run, the directory's name for an
+        export, a GGUF file's name without .gguf when it is named other than model.gguf."""
+        checkpoint = Path(self.checkpoint).absolute()
+        if checkpoint.is_file():
+            return checkpoint.parent.name if checkpoint.name == GGUF_FILE else checkpoint.stem
+        run = run_of_checkpoint(checkpoint)
+        return (run.path if run is not None else checkpoint).name
 
 
 def load_model(path: Path, device: torch.device | str = "cpu") -> LoadedModel:
-    """The model at `path`: a run directory (its newest checkpoint), a checkpoint directory, or an HF
-    export directory; in eval mode on `device`."""
+    """The model at `path`: a run directory (its newest checkpoint), a checkpoint directory, an HF export
+    directory, or a GGUF export (its directory or the .gguf file); in eval mode on `device`."""
     path = Path(path)
     if not path.exists():
-        raise PhalanxError(f"{path} does not exist: give a run directory, a checkpoint or an HF export directory")
-    if not path.is_dir():
-        raise PhalanxError(f"{path} is not a directory: give a run directory, a checkpoint or an HF export")
-    if is_hf_export(path):
+        raise PhalanxError(f"{path} does not exist: give a run directory, a checkpoint or an export")
+    gguf = gguf_file(path)
+    if gguf is not None:
+        model, tokenizer, template = read_gguf(gguf)
+        loaded = LoadedModel(model, tokenizer, gguf, template or CHAT_TEMPLATE, "gguf")
+    elif not path.is_dir():
+        raise PhalanxError(f"{path} is neither a directory nor a .gguf file: give a run directory, a checkpoint "
+                           "or an export")
+    elif is_hf_export(path):
         loaded = LoadedModel(read_hf_model(path), read_hf_tokenizer(path), path,
                              read_chat_template(path) or CHAT_TEMPLATE, "safetensors")
     else:

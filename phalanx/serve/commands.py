@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def generate(
         path: Path = typer.Argument(..., metavar="RUN_DIR|EXPORT_DIR",  # longer names do not fit 80 columns
-                                    help="A run directory (its newest checkpoint), a checkpoint, or an HF export."),
+                                    help="A run directory (its newest checkpoint), a checkpoint, an HF or a GGUF export."),
         prompt: str = typer.Argument("", help="Text to continue."),
         max_new_tokens: int = typer.Option(200, "--max-new-tokens", min=1),
         temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0,
@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
         path: Path = typer.Argument(..., metavar="RUN_DIR|EXPORT_DIR",
-                                    help="A run directory (its newest checkpoint), a checkpoint, or an HF export."),
+                                    help="A run directory (its newest checkpoint), a checkpoint, an HF or a GGUF export."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; beyond loopback needs --api-key."),
         port: int = typer.Option(11434, "--port", min=0, max=65535, help="Port (0: any free port, printed)."),
         api_key: Optional[str] = ApiKeyOpt,

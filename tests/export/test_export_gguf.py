@@ -13,7 +13,8 @@ import torch
 from tests.conftest import TINY
 from tests.helpers import phalanx, train_json
 
-from phalanx.export.gguf_export import PRE_TOKENIZER, PRE_TOKENIZER_REGEX, interleave_rotary_rows, write_gguf
+from phalanx.export.gguf_export import PRE_TOKENIZER, PRE_TOKENIZER_REGEX, write_gguf
+from phalanx.run.gguf_format import interleave_rotary_rows
 from phalanx.models.llama import Transformer, apply_rope, rope_tables
 from phalanx.data.tokenizer import BOS
 from phalanx.export.export import export_run
@@ -242,3 +243,54 @@ def test_quantised_types_are_for_gguf_only(run_dir, tmp_path):
                      check=False)
     assert result.returncode == 2
     assert "the quantised types are for --format gguf" in result.stderr
+
+
+def test_a_gguf_export_loads_back_as_the_same_model(run_dir, exports):
+    """load_model reads a GGUF export (its directory or the file): the f32 file gives phalanx's very
+    logits, its vocabulary the same token ids, its chat template back."""
+    original = load_model(run_dir)
+    ids = [0] + original.tokenizer.encode(PROMPT).ids
+    for where in (exports["f32"].parent, exports["f32"]):
+        loaded = load_model(where)
+        assert loaded.format == "gguf" and loaded.name == "f32"
+        assert loaded.model.args == original.model.args
+        np.testing.assert_allclose(phalanx_logits(loaded.model, ids), phalanx_logits(original.model, ids), atol=1e-6)
+    chat = render_chat([{"role": "user", "content": "Who art thou?"}], BOS)
+    for text in (PROMPT, chat, "  leading spaces,\ttabs\n\n\nand 12345 digits... "):
+        assert loaded.tokenizer.encode(text).ids == original.tokenizer.encode(text).ids, text
+    assert loaded.tokenizer.decode(ids[1:]) == PROMPT
+    assert loaded.chat_template == CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_a_quantised_gguf_loads_dequantised(run_dir, exports, dtype):
+    original = load_model(run_dir)
+    ids = [0] + original.tokenizer.encode(PROMPT).ids
+    diff = np.abs(phalanx_logits(load_model(exports[dtype]).model, ids) - phalanx_logits(original.model, ids)).max()
+    print(f"phalanx on dequantised {dtype}: max abs diff {diff:.3g}")
+    assert 0 < diff < TOLERANCE[dtype]
+
+
+def test_generate_and_serve_take_a_gguf_export(run_dir, exports):
+    import httpx
+
+    from tests.serve.serve_helpers import InProcessServer
+
+    greedy = ("ROMEO:", "--max-new-tokens", "12", "--temperature", "0")
+    from_run = phalanx("generate", str(run_dir), *greedy).stdout
+    assert phalanx("generate", str(exports["f32"].parent), *greedy).stdout == from_run
+    with InProcessServer(exports["f32"].parent, slots=2, max_queue=2, name="from-gguf") as live:
+        reply = httpx.post(f"{live.url}/api/generate", json={"model": "from-gguf", "prompt": "ROMEO:", "stream": False,
+                                                            "options": {"temperature": 0, "num_predict": 12}})
+        assert reply.status_code == 200, reply.text
+        assert "ROMEO:" + reply.json()["response"] + "\n" == from_run  # generate ends with a newline
+        assert httpx.post(f"{live.url}/api/show", json={"model": "from-gguf"}).json()["details"]["format"] == "gguf"
+
+
+def test_a_broken_gguf_is_one_line_and_exit_2(tmp_path, exports):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.gguf").write_bytes(exports["f32"].read_bytes()[:5000])
+    result = phalanx("generate", str(broken), "x", check=False)
+    assert result.returncode == 2, result.stderr
+    assert "is not a readable GGUF file" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,188 @@
+"""The GGUF format (llama.cpp's, architecture `llama`) as both sides see it: tensor names, the rotary row
+order, and reading an export back into a phalanx model and tokenizer for the model loader.
+
+phalanx/export/gguf_export.py writes such a file; this module reads one (phalanx's own export, or a
+llama-architecture GGUF with a byte-level BPE vocabulary). Quantised weights are dequantised to float32
+with the gguf package's own decoders, so the torch engine computes what the file holds. Reading never
+executes anything: GGUF is a flat table of typed values and tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from phalanx.data.tokenizer import special_ids
+from phalanx.errors import PhalanxError
+from phalanx.models.llama import ModelArgs, Transformer, rope_frequency_divisors
+
+GGUF_FILE = "model.gguf"
+# Llama 3.1 RoPE scaling: llama.cpp needs only the frequency divisors (rope_freqs), phalanx's model its
+# four parameters, so the export writes both and the reader checks that they agree.
+ROPE_SCALING_KEYS = {"rope_scaling_factor": "phalanx.rope.scaling.factor",
+                     "rope_low_freq_factor": "phalanx.rope.scaling.low_freq_factor",
+                     "rope_high_freq_factor": "phalanx.rope.scaling.high_freq_factor",
+                     "rope_original_max_seq_len": "phalanx.rope.scaling.original_context_length"}
+
+# phalanx name (per layer: after "layers.N.") -> llama.cpp name (per layer: after "blk.N.")
+_LAYER_NAMES = {
+    "attention.wq.weight": "attn_q.weight",
+    "attention.wk.weight": "attn_k.weight",
+    "attention.wv.weight": "attn_v.weight",
+    "attention.wo.weight": "attn_output.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight",
+    "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+    "attention_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+}
+_TOP_NAMES = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+              "output.weight": "output.weight"}
+
+
+def gguf_name(name: str) -> str:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    _, index, rest = name.split(".", 2)
+    return f"blk.{index}.{_LAYER_NAMES[rest]}"
+
+
+def interleave_rotary_rows(w_OD: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the output rows of a Q or K projection from rotate_half pairs (i, i + E/2) to interleaved
+    pairs (2i, 2i + 1), head by head. O = n_heads * E rows."""
+    O, D = w_OD.shape
+    E = O // n_heads
+    # (heads, half, E/2, D): half 0 holds the first members of the pairs, half 1 their partners; swapping
+    # the two middle axes puts each pair on adjacent rows.
+    return w_OD.reshape(n_heads, 2, E // 2, D).transpose(1, 2).reshape(O, D)
+
+
+def halve_rotary_rows(w_OD: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of interleave_rotary_rows: llama.cpp's row order back to phalanx's."""
+    O, D = w_OD.shape
+    E = O // n_heads
+    return w_OD.reshape(n_heads, E // 2, 2, D).transpose(1, 2).reshape(O, D)
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file that `path` names (the file itself, or an export directory holding model.gguf)."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / GGUF_FILE).is_file():
+        return path / GGUF_FILE
+    return None
+
+
+def read_gguf(file: Path) -> tuple[Transformer, Tokenizer, str | None]:
+    """(model in float32 on the CPU, tokenizer, chat template or None) of a llama GGUF file."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(file))
+    except Exception as e:  # the gguf package raises ValueError, struct errors or numpy's on a bad file
+        raise PhalanxError(f"{file} is not a readable GGUF file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+            from None
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise PhalanxError(f"{file} holds architecture {arch!r}; phalanx reads llama GGUF files only")
+    tensors = {t.name: t for t in reader.tensors}
+    args = _model_args(file, fields, tensors)
+    state = {}
+    for name, shape in _expected_shapes(args).items():
+        tensor = tensors.get(gguf_name(name))
+        if tensor is None:
+            raise PhalanxError(f"{file} has no tensor {gguf_name(name)}")
+        values = torch.tensor(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=torch.float32)
+        if tuple(values.shape) != shape:
+            raise PhalanxError(f"{file}: {tensor.name} has shape {tuple(values.shape)}, the model needs {shape}")
+        if name.endswith("attention.wq.weight"):
+            values = halve_rotary_rows(values, args.n_heads)
+        elif name.endswith("attention.wk.weight"):
+            values = halve_rotary_rows(values, args.n_kv_heads)
+        state[name] = values
+    _check_rope_divisors(file, args, tensors)
+    if args.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()  # the RoPE tables (buffers, not in the file) and the tied output
+    model.load_state_dict(state, strict=True)
+    return model, _tokenizer(file, fields, args.vocab_size), fields.get("tokenizer.chat_template")
+
+
+def _model_args(file: Path, fields: dict, tensors: dict) -> ModelArgs:
+    def need(key: str):
+        if f"llama.{key}" not in fields:
+            raise PhalanxError(f"{file} lacks llama.{key}")
+        return fields[f"llama.{key}"]
+
+    embedding = tensors.get("token_embd.weight")
+    vocab = fields.get("llama.vocab_size") or (len(fields["tokenizer.ggml.tokens"])
+                                               if "tokenizer.ggml.tokens" in fields else None)
+    if embedding is None or vocab is None:
+        raise PhalanxError(f"{file} has no token embedding or vocabulary")
+    scaling = {name: _decimal(fields[key]) for name, key in ROPE_SCALING_KEYS.items() if key in fields}
+    heads = int(need("attention.head_count"))
+    return ModelArgs(dim=int(need("embedding_length")), n_layers=int(need("block_count")), n_heads=heads,
+                     n_kv_heads=int(fields.get("llama.attention.head_count_kv", heads)),
+                     ffn_dim=int(need("feed_forward_length")), vocab_size=int(vocab),
+                     max_seq_len=int(need("context_length")), rope_theta=_decimal(fields.get("llama.rope.freq_base", 10000.0)),
+                     norm_eps=_decimal(need("attention.layer_norm_rms_epsilon")),
+                     tie_embeddings="output.weight" not in tensors,
+                     **{k: (int(v) if k == "rope_original_max_seq_len" else v) for k, v in scaling.items()})
+
+
+def _decimal(value) -> float:
+    """A float32 field as the decimal it was written from (1e-05, not 9.99999974e-06): numpy prints a
+    float32 with the fewest digits that read back as the same float32."""
+    return float(str(np.float32(value)))
+
+
+def _expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = Transformer(args)
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    if args.tie_embeddings:
+        shapes.pop("output.weight", None)
+    return shapes
+
+
+def _check_rope_divisors(file: Path, args: ModelArgs, tensors: dict) -> None:
+    stored = tensors.get("rope_freqs.weight")
+    expected = rope_frequency_divisors(args)
+    if stored is None and expected is None:
+        return
+    if stored is None or expected is None or not np.allclose(np.asarray(stored.data, np.float32), expected.numpy(),
+                                                             rtol=1e-5):
+        raise PhalanxError(f"{file}: its RoPE frequency divisors (rope_freqs) do not follow from "
+                           "phalanx.rope.scaling.*; phalanx reads Llama 3.1 scaling only as its own export writes it")
+
+
+def _tokenizer(file: Path, fields: dict, vocab_size: int) -> Tokenizer:
+    """The byte-level BPE tokenizer the vocabulary describes; encode() adds nothing (callers add BOS)."""
+    import gguf
+
+    if fields.get("tokenizer.ggml.model") != "gpt2":
+        raise PhalanxError(f"{file} has tokenizer {fields.get('tokenizer.ggml.model')!r}; phalanx reads byte-level "
+                           "BPE ('gpt2') vocabularies only")
+    tokens, types = fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.token_type")
+    types = types or [int(gguf.TokenType.NORMAL)] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+    vocab = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind != gguf.TokenType.UNUSED}
+    tokenizer = Tokenizer(models.BPE(vocab, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    added = [AddedToken(t, special=kind == gguf.TokenType.CONTROL, normalized=False)
+             for t, kind in zip(tokens, types) if kind in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)]
+    tokenizer.add_special_tokens([t for t in added if t.special])
+    tokenizer.add_tokens([t for t in added if not t.special])
+    special_ids(tokenizer, file)
+    if tokenizer.get_vocab_size(with_added_tokens=True) > vocab_size:
+        raise PhalanxError(f"{file}: the vocabulary has more tokens than the model's {vocab_size} embedding rows")
+    return tokenizer
