@@ -138,6 +138,12 @@ def apply_rope(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor)
 
 
 class Attention(nn.Module):
+    # Context parallelism (set from outside, parallel/context_parallel.py): each rank holds a slice of
+    # every sequence, and this callable (q_BHTE, k_BKTE, v_BKTE) -> out_BHTE attends the local queries
+    # causally over the whole sequence's keys and values, which other ranks hold. None: the local
+    # tokens are the whole sequence.
+    split_attention = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -155,6 +161,10 @@ class Attention(nn.Module):
         q_BHTE, k_BKTE = apply_rope(q_BHTE, cos_TE, sin_TE), apply_rope(k_BKTE, cos_TE, sin_TE)
         if positions_B is not None:
             return self.wo(self.attend_rows(q_BHTE, k_BKTE, v_BKTE, kv_cache, positions_B))
+        if self.split_attention is not None:
+            if kv_cache is not None:
+                raise PhalanxError("context parallelism splits training sequences; it has no KV cache")
+            return self.wo(self.split_attention(q_BHTE, k_BKTE, v_BKTE).transpose(1, 2).reshape(B, T, -1))
 
         mask_TS, is_causal = None, True
         if kv_cache is not None:
@@ -246,6 +256,11 @@ def init_parameter(tensor: torch.Tensor, name: str, rule: tuple[str, float], see
 
 
 class Transformer(nn.Module):
+    # Context parallelism (set from outside with Attention.split_attention): a callable (local length,
+    # device) -> the global positions (T,) of this rank's tokens, so RoPE rotates them as in the whole
+    # sequence. None: the tokens start at start_pos.
+    sequence_positions = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -320,13 +335,29 @@ class Transformer(nn.Module):
                 raise PhalanxError(f"sequence of {end} tokens exceeds the model's max_seq_len {self.args.max_seq_len}")
             if cache is not None and end > cache.max_len:
                 raise PhalanxError(f"sequence of {end} tokens exceeds the KV cache length {cache.max_len}")
-            cos_TE, sin_TE = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+            if self.sequence_positions is not None and cache is None:
+                positions_T = self.sequence_positions(T, tokens_BT.device)
+                cos_TE, sin_TE = self.rope_cos[positions_T], self.rope_sin[positions_T]
+            else:
+                cos_TE, sin_TE = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
 
         x_BTD = self.tok_embeddings(tokens_BT)
         for i, layer in enumerate(self.layers):
             x_BTD = layer(x_BTD, cos_TE, sin_TE, cache.layer(i) if cache is not None else None, start_pos,
                           positions_B)
         return self.output(self.norm(x_BTD))
+
+    def hidden_states(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (B, T, D) for whole sequences from position 0, without a cache: what
+        the output projection would read, and what embeddings pool (serve/embeddings.py). Causal, so a
+        row's right padding changes none of its earlier positions."""
+        T = tokens_BT.shape[1]
+        if T > self.args.max_seq_len:
+            raise PhalanxError(f"sequence of {T} tokens exceeds the model's max_seq_len {self.args.max_seq_len}")
+        x_BTD = self.tok_embeddings(tokens_BT)
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, self.rope_cos[:T], self.rope_sin[:T])
+        return self.norm(x_BTD)
 
     def num_params(self) -> int:
         """Unique parameters: parameters() yields a tied weight once."""

@@ -1,9 +1,11 @@
-"""The FastAPI app of `phalanx serve`: Ollama's and OpenAI's APIs over one engine, /health, /metrics.
+"""The FastAPI app of `phalanx serve`: Ollama's and OpenAI's APIs over one engine (generation and
+embeddings), /health, /metrics; HEAD on every GET route (serve/http_methods.py), 405s with `Allow`, and
+keep_alive's loading and unloading of the weights (serve/keep_alive.py).
 
 Middleware, outermost first: request counting (sees every answer, refusals included), the guard against
 web pages (phalanx/http_guard.py: Host, Origin, JSON bodies, body time), then the API key check (every
-path but /health; failed keys are rate-limited per client). All plain ASGI, so streamed responses pass
-through untouched.
+path but /health; failed keys are rate-limited per client), then HEAD answered as GET without the body.
+All plain ASGI, so streamed responses pass through untouched.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phalanx.http_auth import FailedAuthLimiter, bearer_token, secret_matches
 from phalanx.http_guard import BODY_TIMEOUT_SECONDS, HttpGuard
+from phalanx.serve.embeddings_api import embeddings_router
 from phalanx.serve.engine import Engine
 from phalanx.serve.http_common import ApiError, error_response
+from phalanx.serve.http_methods import AnswerHead, allow_header, asked_method
+from phalanx.serve.keep_alive import ModelResidency
 from phalanx.serve.metrics import ServeMetrics
 from phalanx.serve.ollama_api import ollama_router
 from phalanx.serve.openai_api import openai_router
@@ -88,14 +93,18 @@ def create_app(served: ServedModel, engine: Engine, metrics: ServeMetrics, api_k
     """The app; it starts the engine's thread when it starts and stops it when it stops. allowed_hosts:
     Host names answered besides loopback names and IP addresses (phalanx/http_guard.py)."""
 
+    residency = ModelResidency(served, engine)  # keep_alive: whether the weights are in memory
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         yield
+        residency.close()
         engine.stop()
 
     app = FastAPI(title="phalanx serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    routers = [ollama_router(served, engine), openai_router(served, engine)]
+    routers = [ollama_router(served, engine, residency), openai_router(served, engine, residency),
+               embeddings_router(served, engine, residency)]
     for router in routers:
         app.include_router(router)
     metrics.watch(engine)
@@ -121,10 +130,14 @@ def create_app(served: ServedModel, engine: Engine, metrics: ServeMetrics, api_k
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        message = {404: f"no such endpoint: {request.method} {request.url.path}",
-                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
-                                                                                               str(exc.detail))
-        return error_response(request.url.path, ApiError(exc.status_code, message))
+        method = asked_method(request.scope)
+        message = {404: f"no such endpoint: {method} {request.url.path}",
+                   405: f"method {method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                     str(exc.detail))
+        headers = dict(exc.headers or {})
+        if "Allow" in headers:  # a known path: say which methods it takes (RFC 9110 15.5.6)
+            headers["Allow"] = allow_header(headers["Allow"])
+        return error_response(request.url.path, ApiError(exc.status_code, message), headers=headers or None)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
@@ -133,6 +146,7 @@ def create_app(served: ServedModel, engine: Engine, metrics: ServeMetrics, api_k
 
     endpoints = {route.path for routes in (app.routes, *(r.routes for r in routers)) for route in routes
                  if isinstance(getattr(route, "path", None), str) and "{" not in route.path}
+    app.add_middleware(AnswerHead)  # innermost: every check above sees the HEAD as sent
     if api_key:
         app.add_middleware(RequireApiKey, api_key=api_key)
     app.add_middleware(HttpGuard, allowed_hosts=allowed_hosts, refuse=_guard_refusal, body_timeout=body_timeout)

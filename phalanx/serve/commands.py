@@ -71,6 +71,8 @@ def register(app: typer.Typer) -> None:
                                                           "bfloat16 or float16."),
         threads: Optional[int] = typer.Option(None, "--threads", min=1,
                                               help="CPU threads for the model (default: torch's, one per core)."),
+        engine: str = typer.Option("torch", "--engine",
+                                   help="torch (phalanx's engine) or llamacpp (llama.cpp on a GGUF export)."),
         log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level (warning: no access log)."),
         allowed_hosts: list[str] = typer.Option([], "--allowed-host", metavar="NAME", envvar="PHALANX_ALLOWED_HOSTS",
                                                 help="A Host name to answer besides loopback names, IP addresses "
@@ -82,11 +84,12 @@ def register(app: typer.Typer) -> None:
         Examples:
         phalanx serve runs/demo
         phalanx serve exports/demo-hf --port 8000 --slots 16
+        phalanx serve exports/demo-q8 --engine llamacpp
         """
         from phalanx.serve.server import serve as run_server
 
         run_server(path, host, port, api_key or None, model_name, slots, max_queue, context, device, dtype, threads,
-                   log_level, tuple(allowed_hosts))
+                   log_level, tuple(allowed_hosts), engine)
 
     @app.command()
     def chat(

@@ -14,6 +14,12 @@ with the request's own generator.
 Callers hold a RequestStream: text pieces as they are decoded (whole characters, never part of a stop
 string), then one Finish with the reason and the counts and timings.
 
+A request may bring a TokenConstraint (structured output: only tokens its grammar allows are sampled in
+its row, and it ends with "stop" once the grammar is complete) and ask for log-probabilities: each taken
+token's log-softmax under the model's raw logits (before penalties, temperature, filters or the grammar's
+mask, as OpenAI reports them) with the k likeliest alternatives, carried by the piece its text ends up in.
+Neither changes which token a row takes: greedy rows without a grammar still take the batch's argmax.
+
 No single request can stop the thread: a failure in one request's set-up, sampling or text decoding
 fails that request alone (reason "error"), and only a failed batched forward fails the requests of that
 step. Anything else that escapes a step fails what was running and the loop goes on.
@@ -38,6 +44,7 @@ from phalanx.data.tokenizer import special_ids
 from phalanx.models.llama import KVCache, Transformer
 from phalanx.serve.options import SamplingOptions
 from phalanx.serve.sampler import RequestSampler
+from phalanx.serve.structured_output import TokenConstraint, TokenVocabulary
 from phalanx.serve.text_stream import IncrementalText, StopMatcher
 
 log = logging.getLogger("phalanx.serve")
@@ -77,6 +84,18 @@ class Finish:
         return self.finished_at - self.submitted_at
 
 
+class Piece(str):
+    """A piece of text, with the log-probabilities of the tokens it completes (when the request asked)."""
+
+    logprobs: list[dict]  # set by of(); a str subclass cannot have __slots__
+
+    @classmethod
+    def of(cls, text: str, logprobs: list[dict]) -> Piece:
+        piece = cls(text)
+        piece.logprobs = logprobs
+        return piece
+
+
 class RequestStream:
     """One request's output. Iterate it (a thread) or `async for` over chunks() (an event loop, given at
     submit): text pieces, then it ends and `finish` is set. cancel() frees the slot at the next step."""
@@ -85,6 +104,7 @@ class RequestStream:
         self.prompt_tokens = prompt_tokens
         self.finish: Finish | None = None
         self.cancelled = False
+        self.logprobs: list[dict] = []  # every piece's, in order (for replies that are not streamed)
         self._loop = loop
         self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
 
@@ -128,6 +148,8 @@ class _Request:
     limit: int  # most new tokens: max_tokens capped by the context left
     stream: RequestStream
     submitted_at: float
+    constraint: TokenConstraint | None = None  # structured output: the grammar the tokens must follow
+    top_logprobs: int | None = None  # None: no log-probabilities; k: each token's and its k likeliest
 
 
 @dataclass
@@ -142,6 +164,7 @@ class _Running:
     last_token: int = 0
     generated: int = 0
     first_token_at: float | None = None
+    logprobs: list[dict] | None = None  # entries whose text has not been handed out yet
 
 
 class _SlotCache:
@@ -175,6 +198,7 @@ class Engine:
         self._active: dict[int, _Running] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.vocabulary = TokenVocabulary(tokenizer, self.eos_id, args.vocab_size)
 
     # ---- the caller's side ----
 
@@ -195,9 +219,11 @@ class Engine:
         return len(self._active)
 
     def submit(self, prompt_ids: list[int], options: SamplingOptions, context_limit: int | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+               loop: asyncio.AbstractEventLoop | None = None, constraint: TokenConstraint | None = None,
+               top_logprobs: int | None = None) -> RequestStream:
         """Queue a request; raises PromptTooLong or QueueFull at once rather than failing later.
-        context_limit (a request's num_ctx) can only narrow the engine's context."""
+        context_limit (a request's num_ctx) can only narrow the engine's context. constraint: a grammar
+        from self.vocabulary.constraint(), one per request; top_logprobs: see the module's docstring."""
         context = min(context_limit or self.context, self.context)
         n = len(prompt_ids)
         if n == 0:
@@ -208,7 +234,8 @@ class Engine:
         room = context - n
         limit = room if options.max_tokens is None else min(options.max_tokens, room)
         stream = RequestStream(n, loop)
-        request = _Request(list(prompt_ids), options, limit, stream, time.perf_counter())
+        request = _Request(list(prompt_ids), options, limit, stream, time.perf_counter(), constraint,
+                           top_logprobs)
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
@@ -282,7 +309,8 @@ class Engine:
         try:
             run = _Running(request, slot, len(request.prompt_ids),
                            RequestSampler(request.options, request.prompt_ids, self.context, self.device),
-                           IncrementalText(self.tokenizer), StopMatcher(request.options.stop), started)
+                           IncrementalText(self.tokenizer), StopMatcher(request.options.stop), started,
+                           logprobs=None if request.top_logprobs is None else [])
         except Exception as e:  # options no validation caught (a seed torch cannot take, say)
             log.exception("request set-up failed")
             return self._finish_unstarted(request, "error", f"generation failed: {e}")
@@ -293,7 +321,7 @@ class Engine:
             logits_V = self.model(prompt_1T, _SlotCache(self.cache, slot), start_pos=0)[0, -1]
             if self.observer:
                 self.observer.prompt_prefilled(len(request.prompt_ids))
-            self._take(run, run.sampler.pick(logits_V))
+            self._take(run, run.sampler.pick(logits_V, request.constraint), logits_V)
         except Exception as e:  # a broken request must not take the server down
             log.exception("prefill failed")
             self._finish(run, "error", f"generation failed: {e}")
@@ -315,16 +343,19 @@ class Engine:
             return
         for run in runs:  # each row on its own: one request's bad sample fails it alone
             try:
-                token = greedy[run.slot] if run.sampler.greedy_without_penalties else run.sampler.pick(
-                    logits_NV[run.slot])
+                constraint = run.request.constraint
+                if run.sampler.greedy_without_penalties and constraint is None:
+                    token = greedy[run.slot]
+                else:
+                    token = run.sampler.pick(logits_NV[run.slot], constraint)
                 run.position += 1
-                self._take(run, token)
+                self._take(run, token, logits_NV[run.slot])
             except Exception as e:
                 log.warning("request in slot %d failed: %s", run.slot, e)
                 if self._active.get(run.slot) is run:
                     self._finish(run, "error", f"generation failed: {e}")
 
-    def _take(self, run: _Running, token: int) -> None:
+    def _take(self, run: _Running, token: int, logits_V: torch.Tensor) -> None:
         now = time.perf_counter()
         if run.first_token_at is None:
             run.first_token_at = now
@@ -334,16 +365,44 @@ class Engine:
         if self.observer:
             self.observer.tokens_generated(1)
         run.sampler.accept(token)
+        constraint = run.request.constraint
+        if constraint is not None:
+            constraint.accept(token)
         if token == self.eos_id and not run.request.options.ignore_eos:
             return self._finish(run, "stop")
+        if run.logprobs is not None:
+            run.logprobs.append(self._logprob_entry(token, logits_V, run.request.top_logprobs))
         piece = run.stops.push(run.text.push(token))
         if piece:
-            run.request.stream._deliver(piece)
-        if run.stops.stopped:
+            self._deliver(run, piece)
+        if run.stops.stopped or (constraint is not None and constraint.complete):
             return self._finish(run, "stop")
         if run.generated >= run.request.limit:
             return self._finish(run, "length")
         run.last_token = token
+
+    def _logprob_entry(self, token: int, logits_V: torch.Tensor, k: int) -> dict:
+        """The token's log-probability under the model's own distribution, and the k likeliest tokens'."""
+        logprobs_V = torch.log_softmax(logits_V.float(), dim=-1)
+        entry = self._token_logprob(token, float(logprobs_V[token]))
+        top = torch.topk(logprobs_V, min(k, logprobs_V.numel())) if k else None
+        entry["top_logprobs"] = [] if top is None else [
+            self._token_logprob(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        return entry
+
+    def _token_logprob(self, token: int, logprob: float) -> dict:
+        raw = self.vocabulary.token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0),
+                "bytes": list(raw)}
+
+    def _deliver(self, run: _Running, piece: str) -> None:
+        """Hand out a piece of text, with the log-probabilities of the tokens up to it when asked for."""
+        stream = run.request.stream
+        if run.logprobs is None:
+            return stream._deliver(piece)
+        entries, run.logprobs = run.logprobs, []
+        stream.logprobs.extend(entries)
+        stream._deliver(Piece.of(piece, entries))
 
     def _finish(self, run: _Running, reason: str, error: str | None = None) -> None:
         stream = run.request.stream
@@ -352,8 +411,8 @@ class Engine:
                 tail = run.stops.push(run.text.flush()) + run.stops.flush()
             except Exception as e:  # the last piece would not decode: the request still ends, as an error
                 reason, error, tail = "error", f"generation failed: {e}", ""
-            if tail:
-                stream._deliver(tail)
+            if tail or run.logprobs:
+                self._deliver(run, tail)
         with self._cond:
             self._active.pop(run.slot, None)
         stream._deliver(Finish(reason, len(run.request.prompt_ids), run.generated, run.request.submitted_at,

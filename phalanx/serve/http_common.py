@@ -195,10 +195,12 @@ def sampling_options(**kwargs: Any) -> SamplingOptions:
 
 
 def submit(engine: Engine, prompt_ids: list[int], options: SamplingOptions, request: Request,
-           context_limit: int | None = None) -> RequestStream:
-    """Queue a request on the engine, its refusals as HTTP errors (never a truncated prompt)."""
+           context_limit: int | None = None, **extras: Any) -> RequestStream:
+    """Queue a request on the engine, its refusals as HTTP errors (never a truncated prompt). extras: the
+    engine's constraint and top_logprobs."""
     try:
-        return engine.submit(prompt_ids, options, context_limit=context_limit, loop=asyncio.get_running_loop())
+        return engine.submit(prompt_ids, options, context_limit=context_limit, loop=asyncio.get_running_loop(),
+                             **extras)
     except PromptTooLong as e:
         raise ApiError(400, str(e), code="context_length_exceeded", param="messages") from None
     except QueueFull as e:

@@ -2,7 +2,9 @@
 `stream: false`), /api/tags, /api/show, /api/ps and /api/version.
 
 /api/generate renders its prompt (and system) through the chat template as Ollama does, unless `raw`;
-an empty prompt only answers that the model is loaded. Durations are in nanoseconds.
+an empty prompt only answers that the model is loaded. Durations are in nanoseconds. `format` holds the
+output to JSON (structured_output.py), `tools` are rendered into the prompt and a reply that is only
+calls comes back as message.tool_calls (tool_calls.py), `logprobs` gives each chunk its tokens'.
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import phalanx
-from phalanx.serve.engine import Engine, Finish, RequestStream
-from phalanx.serve.http_common import ApiError, collect, parse_body, read_json, streamed_error, submit
+from phalanx.serve.choices import build_constraints, grammar_for, submit_samples
+from phalanx.serve.engine import Engine, Finish, Piece, RequestStream
+from phalanx.serve.http_common import ApiError, collect, parse_body, read_json, streamed_error
+from phalanx.serve.keep_alive import ModelResidency, unloads_now
 from phalanx.serve.ollama_schema import ChatRequest, GenerateRequest, ShowRequest
 from phalanx.serve.served import ServedModel
+from phalanx.serve.structured_output import FormatError, ollama_format_schema
+from phalanx.serve.tool_calls import Tool, ToolError, ollama_call, parse_calls, read_tools, template_messages
 
 NDJSON = "application/x-ndjson"
-FAR_FUTURE = "2318-01-01T00:00:00Z"  # /api/ps expires_at: the model is never unloaded while serving
+FAR_FUTURE = "2318-01-01T00:00:00Z"  # /api/ps expires_at while keep_alive keeps the model forever
 
 
 def _now() -> str:
@@ -34,40 +40,78 @@ def _ns(seconds: float) -> int:
     return max(0, int(seconds * 1e9))
 
 
-def _stats(finish: Finish, arrived: float) -> dict[str, Any]:
+def _stats(finish: Finish, arrived: float, load_seconds: float = 0.0) -> dict[str, Any]:
     return {"done": True, "done_reason": finish.reason, "total_duration": _ns(finish.finished_at - arrived),
-            "load_duration": 0, "prompt_eval_count": finish.prompt_tokens,
+            "load_duration": _ns(load_seconds), "prompt_eval_count": finish.prompt_tokens,
             "prompt_eval_duration": _ns(finish.prompt_seconds), "eval_count": finish.completion_tokens,
             "eval_duration": _ns(finish.generation_seconds)}
 
 
-def ollama_router(served: ServedModel, engine: Engine) -> APIRouter:
+def ollama_router(served: ServedModel, engine: Engine, residency: ModelResidency | None = None) -> APIRouter:
     router = APIRouter()
+    residency = residency or ModelResidency(served, engine)
 
     def check_model(name: str) -> None:
         if not served.matches(name):
             raise ApiError(404, f"model '{name}' not found")
 
     async def respond(request: Request, body: GenerateRequest | ChatRequest, prompt_ids: list[int],
-                      template_stops: list[str], piece: Callable[[str], dict[str, Any]], arrived: float):
+                      template_stops: list[str], piece: Callable[[str], dict[str, Any]], arrived: float,
+                      tools: list[Tool] | None = None):
         options, num_ctx = body.sampling(template_stops)
-        stream = submit(engine, prompt_ids, options, request, context_limit=num_ctx)
+        try:
+            grammar = grammar_for(ollama_format_schema(body.format), "format")
+        except FormatError as e:
+            raise ApiError(400, str(e)) from None
+        top_logprobs = body.top_logprobs_asked
+        constraints = await build_constraints(engine, grammar)
+        load_seconds = await residency.ready(body.keep_alive)  # no await from here to the submit
+        stream, = submit_samples(engine, request, prompt_ids, options, constraints, top_logprobs=top_logprobs,
+                                 context_limit=num_ctx)
+        residency.track(stream)
         head = {"model": body.model}
+        if tools or top_logprobs is not None:
+            piece = _with_extras(piece, tools or [], top_logprobs is not None)
         if not body.stream:
             text = await collect(request, stream)
-            return JSONResponse({**head, "created_at": _now(), **piece(text), **_stats(stream.finish, arrived)})
-        return StreamingResponse(_lines(request, stream, head, piece, arrived), media_type=NDJSON)
+            whole = Piece.of(text, stream.logprobs) if top_logprobs is not None else text
+            return JSONResponse({**head, "created_at": _now(), **piece(whole),
+                                 **_stats(stream.finish, arrived, load_seconds)})
+        return StreamingResponse(_lines(request, stream, head, piece, arrived, bool(tools), load_seconds),
+                                 media_type=NDJSON)
+
+    def _with_extras(piece: Callable[[str], dict[str, Any]], tools: list[Tool],
+                     logprobs: bool) -> Callable[[str], dict[str, Any]]:
+        """A chunk with its log-probabilities, and a chat message whose whole text is tool calls as them."""
+        def extended(text: str) -> dict[str, Any]:
+            chunk = piece(text)
+            if tools and (calls := parse_calls(text, tools)):
+                chunk["message"] = {**chunk["message"], "content": "", "tool_calls": [c.ollama() for c in calls]}
+            if logprobs:
+                chunk["logprobs"] = list(getattr(text, "logprobs", []))
+            return chunk
+        return extended
 
     async def _lines(request: Request, stream: RequestStream, head: dict[str, Any],
-                     piece: Callable[[str], dict[str, Any]], arrived: float) -> AsyncIterator[str]:
+                     piece: Callable[[str], dict[str, Any]], arrived: float,
+                     hold: bool = False, load_seconds: float = 0.0) -> AsyncIterator[str]:
+        """hold: with tools, the text goes out in one chunk at the end (a call is recognisable only whole)."""
         try:
+            held: list[str] = []
             async for text in stream.chunks():
+                if hold:
+                    held.append(text)
+                    continue
                 yield json.dumps({**head, "created_at": _now(), **piece(text), "done": False}) + "\n"
+            if held and stream.finish.reason != "error":
+                whole = Piece.of("".join(held), [e for t in held for e in getattr(t, "logprobs", [])])
+                yield json.dumps({**head, "created_at": _now(), **piece(whole), "done": False}) + "\n"
             finish = stream.finish
             if finish.reason == "error":
                 yield json.dumps(streamed_error(request.url.path, finish.error or "generation failed")) + "\n"
             elif finish.reason != "cancelled":
-                yield json.dumps({**head, "created_at": _now(), **piece(""), **_stats(finish, arrived)}) + "\n"
+                yield json.dumps({**head, "created_at": _now(), **piece(""),
+                                  **_stats(finish, arrived, load_seconds)}) + "\n"
         finally:
             stream.cancel()  # the client went away: free the slot
 
@@ -76,7 +120,12 @@ def ollama_router(served: ServedModel, engine: Engine) -> APIRouter:
         arrived = time.perf_counter()
         body = parse_body(GenerateRequest, await read_json(request))
         check_model(body.model)
-        if not body.prompt and not body.system:
+        if not body.prompt and unloads_now(body.keep_alive):
+            return await unload(body.model, {"response": ""})
+        if body.raw and body.system:  # as Ollama: raw means the prompt goes in as it is, nothing around it
+            raise ApiError(400, "raw mode does not support template, system, or context")
+        if not body.prompt:  # Ollama's way to load a model (a system prompt alone generates nothing)
+            await residency.ready(body.keep_alive)
             return JSONResponse({"model": body.model, "created_at": _now(), "response": "", "done": True,
                                  "done_reason": "load"})
         if body.raw:
@@ -92,9 +141,26 @@ def ollama_router(served: ServedModel, engine: Engine) -> APIRouter:
         arrived = time.perf_counter()
         body = parse_body(ChatRequest, await read_json(request))
         check_model(body.model)
-        prompt_ids = _render([{"role": m.role, "content": m.content} for m in body.messages])
+        if not body.messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
+            empty = {"message": {"role": "assistant", "content": ""}}
+            if unloads_now(body.keep_alive):
+                return await unload(body.model, empty)
+            await residency.ready(body.keep_alive)
+            return JSONResponse({"model": body.model, "created_at": _now(), **empty, "done": True,
+                                 "done_reason": "load"})
+        try:
+            tools = read_tools(body.tools)
+            messages = [{"role": m.role, "content": m.content,
+                         "tool_calls": [ollama_call(c) for c in m.tool_calls or []]} for m in body.messages]
+        except ToolError as e:
+            raise ApiError(400, str(e)) from None
+        prompt_ids = _render(template_messages(messages, tools))
         return await respond(request, body, prompt_ids, served.chat_stops,
-                             lambda text: {"message": {"role": "assistant", "content": text}}, arrived)
+                             lambda text: {"message": {"role": "assistant", "content": text}}, arrived, tools)
+
+    async def unload(model: str, empty: dict[str, Any]) -> JSONResponse:
+        await residency.unload_now()
+        return JSONResponse({"model": model, "created_at": _now(), **empty, "done": True, "done_reason": "unload"})
 
     def _render(messages: list[dict[str, Any]]) -> list[int]:
         try:
@@ -113,9 +179,13 @@ def ollama_router(served: ServedModel, engine: Engine) -> APIRouter:
 
     @router.get("/api/ps")
     async def ps():
+        if not residency.loaded:  # keep_alive took the weights out: nothing is running, as Ollama lists it
+            return {"models": []}
         on_gpu = engine.device.type != "cpu"
         size = served.size_bytes + engine.kv_cache_bytes
-        return {"models": [{**_model_entry(), "expires_at": FAR_FUTURE, "size": size,
+        expires = residency.expires_at
+        expires_at = FAR_FUTURE if expires is None else expires.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        return {"models": [{**_model_entry(), "expires_at": expires_at, "size": size,
                             "size_vram": size if on_gpu else 0, "context_length": engine.context}]}
 
     @router.post("/api/show")

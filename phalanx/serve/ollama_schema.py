@@ -1,8 +1,10 @@
 """Ollama's request bodies (docs.ollama.com/api), strictly: /api/generate, /api/chat and /api/show.
 
-Fields phalanx cannot honour (images, tools, structured output, thinking, log-probabilities, a request's
-own template) are accepted only empty, as the official client sends some of them, and refused by name
-otherwise. keep_alive is accepted: the model stays loaded for the server's whole life in any case.
+`format` (structured output), `tools` and `logprobs`/`top_logprobs` are honoured (structured_output.py,
+tool_calls.py). Fields phalanx cannot honour (images, thinking, a request's own template) are accepted
+only empty, as the official client sends some of them, and refused by name otherwise. keep_alive is
+honoured (keep_alive.py); options Ollama takes for its own runner or sampler that phalanx has no use for
+are accepted and ignored, as Ollama ignores those it does not use (ollama_ignored.py).
 Integers are 64-bit as Ollama (Go) reads them and numbers finite; the options' ranges are options.py's.
 """
 
@@ -13,10 +15,11 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from phalanx.serve.http_common import ApiError, Int64, StrictModel, sampling_options
+from phalanx.serve.ollama_ignored import IgnoredOllamaOptions
 from phalanx.serve.options import DEFAULTS, SamplingOptions
 
 
-class OllamaOptions(StrictModel):
+class OllamaOptions(IgnoredOllamaOptions):
     temperature: float | None = None
     top_k: Int64 | None = None
     top_p: float | None = None
@@ -39,14 +42,18 @@ class _OllamaRequest(StrictModel):
     format: Any = None
     think: bool | str | None = None
     logprobs: bool | None = None
-    top_logprobs: Int64 | None = None
+    top_logprobs: Int64 | None = Field(None, ge=0, le=20)  # Ollama's range
 
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"format": ("",), "think": (False,), "logprobs": (False,),
-                                               "top_logprobs": (0,)}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"think": (False,)}
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """The engine's top_logprobs: None without `logprobs: true`, else how many alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling(self, template_stops: list[str]) -> tuple[SamplingOptions, int | None]:
         """The engine's options (Ollama's defaults filled in) and the request's context limit (num_ctx)."""
-        given = self.options.model_dump(exclude_none=True) if self.options else {}
+        given = self.options.used() if self.options else {}
         num_predict = given.pop("num_predict", -1)
         if num_predict < -2:
             raise ApiError(400, "num_predict must be >= 0, or -1 for no limit")
@@ -76,19 +83,18 @@ class GenerateRequest(_OllamaRequest):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] | None = None
     tool_calls: list[Any] | None = None
+    tool_name: str | None = None  # a tool message's: which tool's result it is
 
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"images": ([],), "tool_calls": ([],)}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"images": ([],)}
 
 
 class ChatRequest(_OllamaRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = []  # none: Ollama's load (keep_alive 0: unload) request
     tools: list[Any] | None = None
-
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OllamaRequest.UNSUPPORTED, "tools": ([],)}
 
 
 class ShowRequest(StrictModel):

@@ -3,7 +3,9 @@
 Streams are server-sent events: for chat, the first chunk carries the assistant role, content follows in
 deltas, the last choice chunk carries finish_reason, then (with stream_options.include_usage) a chunk of
 usage with no choices, then `data: [DONE]`. /v1/completions continues the prompt as plain text (BOS,
-then the text); chat renders the messages with the chat template.
+then the text); chat renders the messages with the chat template. With n > 1 the samples' chunks
+interleave, each choice by its index (choices.py); openai_replies.py shapes choices, tool calls and
+log-probabilities.
 """
 
 from __future__ import annotations
@@ -11,32 +13,39 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import phalanx
+from phalanx.serve.choices import build_constraints, collect_samples, grammar_for, merged, submit_samples
 from phalanx.serve.engine import Engine, Finish, RequestStream
-from phalanx.serve.http_common import ApiError, collect, parse_body, read_json, streamed_error, submit
+from phalanx.serve.http_common import ApiError, parse_body, read_json, streamed_error
+from phalanx.serve.keep_alive import ModelResidency
+from phalanx.serve.openai_replies import ChatReply, CompletionReply, Reply
 from phalanx.serve.openai_schema import ChatCompletionRequest, CompletionRequest
 from phalanx.serve.served import ServedModel
+from phalanx.serve.structured_output import FormatError, openai_format_schema
+from phalanx.serve.tool_calls import ToolError, call_schema, forced_tools, read_tools, template_messages
 
 FINGERPRINT = f"phalanx-{phalanx.__version__}"
 
 
-def _usage(finish: Finish) -> dict[str, int]:
-    return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
-            "total_tokens": finish.prompt_tokens + finish.completion_tokens}
+def _usage(finishes: list[Finish]) -> dict[str, int]:
+    # n samples share one prompt: it counts once, as OpenAI counts it.
+    prompt, completion = finishes[0].prompt_tokens, sum(f.completion_tokens for f in finishes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def openai_router(served: ServedModel, engine: Engine) -> APIRouter:
+def openai_router(served: ServedModel, engine: Engine, residency: ModelResidency | None = None) -> APIRouter:
     router = APIRouter()
+    residency = residency or ModelResidency(served, engine)
 
     def check_model(name: str) -> None:
         if not served.matches(name):
@@ -48,65 +57,79 @@ def openai_router(served: ServedModel, engine: Engine) -> APIRouter:
                 "owned_by": "phalanx"}
 
     async def respond(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-                      max_tokens: int | None, template_stops: list[str], kind: str,
-                      choice: Callable[[str, str | None], dict[str, Any]], prefix: str = ""):
-        stream = submit(engine, prompt_ids, body.sampling(max_tokens, template_stops), request)
+                      max_tokens: int | None, template_stops: list[str], kind: str, reply: Reply,
+                      schema: dict[str, Any] | None = None):
+        options, top_logprobs = body.sampling(max_tokens, template_stops), body.top_logprobs_asked
+        constraints = await build_constraints(engine, grammar_for(schema, "response_format"), body.n or 1,
+                                              "response_format")
+        await residency.ready()  # loads the weights if keep_alive took them out; no await from here to the submit
+        streams = submit_samples(engine, request, prompt_ids, options, constraints, top_logprobs=top_logprobs)
+        for stream in streams:
+            residency.track(stream)
         head = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{secrets.token_hex(12)}",
                 "object": kind, "created": int(time.time()), "model": body.model, "system_fingerprint": FINGERPRINT}
         if not body.stream:
-            text = await collect(request, stream)
-            return JSONResponse({**head, "choices": [choice(prefix + text, stream.finish.reason)],
-                                 "usage": _usage(stream.finish)})
+            texts = await collect_samples(request, streams)
+            choices = [reply.whole(i, text, s.finish.reason, s.logprobs) for i, (text, s) in
+                       enumerate(zip(texts, streams))]
+            return JSONResponse({**head, "choices": choices, "usage": _usage([s.finish for s in streams])})
         head["object"] = f"{kind}.chunk" if kind == "chat.completion" else kind
-        return StreamingResponse(_events(request, stream, head, body.include_usage, choice, kind, prefix),
+        return StreamingResponse(_events(request, streams, head, body.include_usage, reply),
                                  media_type="text/event-stream")
 
-    async def _events(request: Request, stream: RequestStream, head: dict[str, Any], include_usage: bool,
-                      choice: Callable[[str, str | None], dict[str, Any]], kind: str,
-                      prefix: str) -> AsyncIterator[str]:
+    async def _events(request: Request, streams: list[RequestStream], head: dict[str, Any], include_usage: bool,
+                      reply: Reply) -> AsyncIterator[str]:
         usage_none = {"usage": None} if include_usage else {}
-        try:
-            if kind == "chat.completion":
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
-                yield _sse({**head, "choices": [first], **usage_none})
-            if prefix:
-                yield _sse({**head, "choices": [choice(prefix, None)], **usage_none})
-            async for text in stream.chunks():
-                yield _sse({**head, "choices": [choice(text, None)], **usage_none})
-            finish = stream.finish
+
+        def event(choice: dict[str, Any]) -> str:
+            return _sse({**head, "choices": [choice], **usage_none})
+
+        for i in range(len(streams)):
+            for opening in reply.opening(i):
+                yield event(opening)
+        async for i, piece in merged(streams):
+            if piece is not None:
+                if (delta := reply.delta(i, piece)) is not None:
+                    yield event(delta)
+                continue
+            finish = streams[i].finish
             if finish.reason == "error":
                 yield _sse(streamed_error(request.url.path, finish.error or "generation failed"))
                 return
             if finish.reason == "cancelled":
                 return
-            last = choice("", finish.reason)
-            if kind == "chat.completion":
-                last["delta"] = {}
-            yield _sse({**head, "choices": [last], **usage_none})
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(finish)})
-            yield _sse("[DONE]")
-        finally:
-            stream.cancel()  # the client went away: free the slot
+            for last in reply.closing(i, finish.reason):
+                yield event(last)
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage([s.finish for s in streams])})
+        yield _sse("[DONE]")
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse_body(ChatCompletionRequest, await read_json(request))
         check_model(body.model)
         try:
-            prompt_ids = served.chat_prompt_ids(body.messages_for_template())
+            tools = read_tools(body.tools)
+            forced = forced_tools(body.tool_choice, tools)
+        except ToolError as e:
+            raise ApiError(400, str(e), param="tools") from None
+        use_tools = bool(tools) and body.tool_choice != "none"
+        try:
+            schema = openai_format_schema(body.response_format)
+        except FormatError as e:
+            raise ApiError(400, str(e), param="response_format") from None
+        if forced:
+            if schema is not None:
+                raise ApiError(400, "response_format and a tool_choice that forces a call cannot both hold the "
+                                    "output; send one of them", param="tool_choice")
+            schema = call_schema(forced)
+        try:
+            prompt_ids = served.chat_prompt_ids(template_messages(body.messages_for_template(),
+                                                                  tools if use_tools else []))
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-
-        def choice(text: str, reason: str | None) -> dict[str, Any]:
-            if body.stream:
-                return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": reason}
-
         return await respond(request, body, prompt_ids, body.new_tokens, served.chat_stops, "chat.completion",
-                             choice)
+                             ChatReply(tools if use_tools else [], body.top_logprobs_asked is not None), schema)
 
     @router.post("/v1/completions")
     async def completions(request: Request):
@@ -114,12 +137,8 @@ def openai_router(served: ServedModel, engine: Engine) -> APIRouter:
         check_model(body.model)
         text = body.prompt_text
         prompt_ids = served.text_prompt_ids(text)
-
-        def choice(piece: str, reason: str | None) -> dict[str, Any]:
-            return {"text": piece, "index": 0, "logprobs": None, "finish_reason": reason}
-
-        return await respond(request, body, prompt_ids, body.max_tokens, [], "text_completion", choice,
-                             prefix=text if body.echo else "")
+        return await respond(request, body, prompt_ids, body.max_tokens, [], "text_completion",
+                             CompletionReply(text if body.echo else "", body.top_logprobs_asked is not None))
 
     @router.get("/v1/models")
     async def models():

@@ -1,10 +1,10 @@
 """OpenAI's request bodies, strictly: /v1/chat/completions and /v1/completions.
 
 Beyond OpenAI's own sampling fields, top_k, min_p, repeat_penalty and repeat_last_n are accepted (as
-llama.cpp's and vLLM's servers do; the openai client sends them through `extra_body`). Fields phalanx
-cannot honour (tools, log-probabilities, logit bias, structured output, n > 1) are accepted only at
-their "off" value and refused by name otherwise. Integers are int64 and numbers finite, temperature
-0 to 2 as OpenAI documents it.
+llama.cpp's and vLLM's servers do; the openai client sends them through `extra_body`). `n`,
+log-probabilities, `response_format` (structured output) and tools are honoured. Fields phalanx cannot
+honour (logit bias, best_of) are accepted only at their "off" value and refused by name otherwise.
+Integers are int64 and numbers finite, temperature 0 to 2 as OpenAI documents it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import Field
 
 from phalanx.serve.http_common import ApiError, Int64, StrictModel, sampling_options
 from phalanx.serve.options import SamplingOptions
+from phalanx.serve.tool_calls import openai_call
 
 
 class StreamOptions(StrictModel):
@@ -32,8 +33,8 @@ class _OpenAIRequest(StrictModel):
     frequency_penalty: float | None = None
     seed: Int64 | None = None
     user: str | None = None  # an end-user id for the caller's own records; phalanx keeps none
-    n: Int64 | None = None
-    logprobs: Any = None
+    n: Int64 | None = Field(None, ge=1, le=16)  # independent samples, each its own slot
+    logprobs: Any = None  # chat: a bool (top_logprobs says how many alternatives); completions: 0 to 5
     logit_bias: dict[str, Any] | None = None
     # Extensions (llama.cpp / vLLM servers).
     top_k: Int64 | None = None
@@ -41,7 +42,7 @@ class _OpenAIRequest(StrictModel):
     repeat_penalty: float | None = None
     repeat_last_n: Int64 | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"n": (1,), "logprobs": (False,), "logit_bias": ({},)}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": ({},)}
 
     @property
     def include_usage(self) -> bool:
@@ -66,8 +67,11 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -79,7 +83,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = Field(None, ge=1)
     max_completion_tokens: Int64 | None = Field(None, ge=1)
-    top_logprobs: Int64 | None = None
+    top_logprobs: Int64 | None = Field(None, ge=0, le=20)  # OpenAI's range
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -87,12 +91,20 @@ class ChatCompletionRequest(_OpenAIRequest):
     store: bool | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_OpenAIRequest.UNSUPPORTED, "top_logprobs": (0,), "response_format": ({"type": "text"},),
-        "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (), "store": (False,)}
+        **_OpenAIRequest.UNSUPPORTED, "store": (False,)}
 
-    def messages_for_template(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for the system role.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def messages_for_template(self) -> list[dict[str, Any]]:
+        # "developer" is OpenAI's newer name for the system role; tool_calls.template_messages spells out calls.
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 "tool_calls": [openai_call(c) for c in m.tool_calls or []]} for m in self.messages]
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        if self.logprobs not in (None, True, False):
+            raise ApiError(400, "logprobs must be true or false", param="logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def new_tokens(self) -> int | None:
@@ -107,6 +119,15 @@ class CompletionRequest(_OpenAIRequest):
     best_of: Int64 | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIRequest.UNSUPPORTED, "suffix": ("",), "best_of": (1,)}
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """The legacy form: logprobs is how many alternatives (0 to 5) besides the token taken."""
+        if self.logprobs is None:
+            return None
+        if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 5:
+            raise ApiError(400, "logprobs must be an integer from 0 to 5", param="logprobs")
+        return self.logprobs
 
     @property
     def prompt_text(self) -> str:

@@ -3,7 +3,8 @@
 Each request samples with its own generator from its own row, so its tokens never depend on which other
 requests share the batch. Order: repeat/presence/frequency penalties on the raw logits (llama.cpp's
 formulas), then temperature, then top_k, top_p and min_p on the tempered distribution (Hugging Face's
-order), then one draw.
+order), then one draw. A request with a format (structured output) has the tokens its grammar forbids masked out
+after the penalties.
 
 A row whose logits are not finite (a model gone NaN, or options that got past validation) raises
 SamplingError for that request alone; the engine fails it and serves the others.
@@ -17,6 +18,7 @@ from collections import Counter, deque
 import torch
 
 from phalanx.serve.options import SamplingOptions
+from phalanx.serve.structured_output import TokenConstraint
 
 
 class SamplingError(ValueError):
@@ -55,7 +57,9 @@ class RequestSampler:
         self.recent.append(token)
         self.counts[token] += 1
 
-    def pick(self, logits_V: torch.Tensor) -> int:
+    def pick(self, logits_V: torch.Tensor, constraint: TokenConstraint | None = None) -> int:
+        """The next token; with a constraint (structured output) only among the tokens its grammar allows,
+        masked after the penalties and before the temperature, so filtering and the draw see only those."""
         o = self.options
         logits_V = logits_V.float().clone()
         if o.penalises and self.counts:
@@ -66,6 +70,8 @@ class RequestSampler:
                 picked = torch.where(picked > 0, picked / o.repeat_penalty, picked * o.repeat_penalty)
             picked = picked - counts * o.frequency_penalty - o.presence_penalty
             logits_V[ids] = picked
+        if constraint is not None:
+            logits_V = constraint.apply(logits_V)
         if o.temperature == 0:
             return int(logits_V.argmax())
 

@@ -1,4 +1,4 @@
-"""The model a server serves: loaded from a run directory or an HF export, with its name, chat template
+"""The model a server serves: loaded from a run directory or an export, with its name, chat template
 and the facts the APIs report about it (/api/tags, /api/show, /v1/models)."""
 
 from __future__ import annotations
@@ -8,12 +8,14 @@ import json
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from phalanx.data.chat_template import CHAT_STOP, render_chat
+from phalanx.data.prompt_tokens import PromptEncoder
 from phalanx.data.tokenizer import BOS
 from phalanx.run.model_loader import LoadedModel, load_model
 
@@ -39,11 +41,12 @@ class ServedModel:
     def tagged_name(self) -> str:
         return self.name if ":" in self.name else f"{self.name}:latest"
 
-    @property
+    # Kept once computed: keep_alive (serve/keep_alive.py) may take the weights out of memory for a while.
+    @cached_property
     def parameters(self) -> int:
         return self.loaded.model.num_params()
 
-    @property
+    @cached_property
     def size_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
 
@@ -53,18 +56,27 @@ class ServedModel:
         args = self.loaded.model.args.__dict__
         return hashlib.sha256(json.dumps([str(self.loaded.checkpoint), args], sort_keys=True).encode()).hexdigest()
 
+    @cached_property
+    def prompt_encoder(self) -> PromptEncoder:
+        return PromptEncoder(self.loaded.tokenizer)
+
     def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the conversation rendered with the chat template, ready for the assistant's turn."""
-        try:
-            text = render_chat(messages, bos_token=BOS, template=self.loaded.chat_template)
-        except Exception as e:  # jinja2's errors from a template that came with an export
-            raise ValueError(f"the chat template could not render these messages: {e}") from None
-        return self.loaded.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of the conversation rendered with the chat template, ready for the assistant's turn.
+        Special-token strings in what users wrote stay text: only the template's markers are control
+        tokens (phalanx/data/prompt_tokens.py)."""
+        def render(shown: list[dict[str, Any]]) -> str:
+            try:
+                return render_chat(shown, bos_token=BOS, template=self.loaded.chat_template)
+            except Exception as e:  # jinja2's errors from a template that came with an export
+                raise ValueError(f"the chat template could not render these messages: {e}") from None
+
+        return self.prompt_encoder.chat_ids(messages, render)
 
     def text_prompt_ids(self, text: str) -> list[int]:
-        """Plain text to continue, framed as in training: BOS, then the text."""
+        """Plain text to continue, framed as in training: BOS, then the text (special-token strings in it
+        are text, never control tokens)."""
         bos = self.loaded.tokenizer.token_to_id(BOS)
-        return [bos] + self.loaded.tokenizer.encode(text, add_special_tokens=False).ids
+        return [bos] + self.prompt_encoder.text_ids(text)
 
     def details(self) -> dict[str, Any]:
         """Ollama's `details` object."""
@@ -85,7 +97,7 @@ def _human_count(n: int) -> str:
 
 def load_served_model(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                       name: str | None = None) -> ServedModel:
-    """A run directory (its newest checkpoint), a checkpoint directory, or an HF export directory."""
+    """A run directory (its newest checkpoint), a checkpoint directory, an HF export or a GGUF export."""
     started = time.perf_counter()
     loaded = load_model(path, device)
     if dtype is not None:

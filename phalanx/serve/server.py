@@ -17,6 +17,7 @@ from phalanx.http_guard import server_hosts
 from phalanx.listen import bind, is_loopback
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ENGINES = ("torch", "llamacpp")
 
 
 def check_listen(host: str, api_key: str | None) -> None:
@@ -38,17 +39,36 @@ def pick_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     return torch_device, compute_dtype(dtype, torch_device)
 
 
+def build_engine(kind: str, served, slots: int, max_queue: int, context: int | None, observer):
+    """The engine under the APIs: phalanx's own (torch), or llama.cpp on a GGUF export."""
+    if kind == "torch":
+        from phalanx.serve.engine import Engine
+
+        return Engine(served.loaded.model, served.loaded.tokenizer, slots=slots, max_queue=max_queue,
+                      context=context, observer=observer)
+    if kind == "llamacpp":
+        if served.loaded.format != "gguf":
+            raise PhalanxError(f"--engine llamacpp serves a GGUF export, and {served.source} is not one; write one "
+                               f"with: phalanx export {served.source} --format gguf --out DIR (--dtype f16, q8_0, ...)")
+        from phalanx.serve.llamacpp_engine import LlamaCppEngine
+
+        return LlamaCppEngine(served.loaded.checkpoint, served.loaded.tokenizer, slots=slots, max_queue=max_queue,
+                              context=context, threads=torch.get_num_threads(), observer=observer)
+    raise PhalanxError(f"--engine must be one of {', '.join(ENGINES)}, not {kind!r}")
+
+
 def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str | None, slots: int,
           max_queue: int, context: int | None, device: str, dtype: str, threads: int | None = None,
-          log_level: str = "info", allowed_hosts: tuple[str, ...] = ()) -> None:
+          log_level: str = "info", allowed_hosts: tuple[str, ...] = (), engine_kind: str = "torch") -> None:
     import uvicorn
 
     from phalanx.serve.app import create_app
-    from phalanx.serve.engine import Engine
     from phalanx.serve.metrics import ServeMetrics
     from phalanx.serve.served import load_served_model
 
     check_listen(host, api_key)
+    if engine_kind not in ENGINES:
+        raise PhalanxError(f"--engine must be one of {', '.join(ENGINES)}, not {engine_kind!r}")
     torch_device, torch_dtype = pick_device(device, dtype)
     if threads is not None:
         # On a CPU shared with other work, fewer threads than cores avoid stalls at every op's barrier.
@@ -59,13 +79,12 @@ def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str
     if context is not None and context > max_seq_len:
         raise PhalanxError(f"--context {context} is longer than the model's max_seq_len {max_seq_len}")
     metrics = ServeMetrics()
-    engine = Engine(served.loaded.model, served.loaded.tokenizer, slots=slots, max_queue=max_queue,
-                    context=context, observer=metrics)
+    engine = build_engine(engine_kind, served, slots, max_queue, context, metrics)
     app = create_app(served, engine, metrics, api_key=api_key, allowed_hosts=server_hosts(host, allowed_hosts))
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    print(f"phalanx serve: model '{served.name}' ({served.parameters / 1e6:.1f}M parameters, {torch_dtype}, "
-          f"{torch_device}), {slots} slots x {engine.context} tokens, KV cache "
+    runs_on = f"{torch_dtype}, {torch_device}" if engine_kind == "torch" else "llama.cpp, cpu"
+    print(f"phalanx serve: model '{served.name}' ({served.parameters / 1e6:.1f}M parameters, {runs_on}), {slots} slots x {engine.context} tokens, KV cache "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB, queue {max_queue}, {torch.get_num_threads()} threads"
           f"{', API key required' if api_key else ''}", flush=True)
     print(f"phalanx serve: listening on http://{shown}:{bound_port}", flush=True)

@@ -13,6 +13,7 @@ from phalanx.serve.chat import ReplyWriter
 from phalanx.serve.chat_backends import InvalidParameters, check_parameters
 from phalanx.serve.chat_commands import BYE, COMPLETIONS, PARAMETERS, Conversation, run_command
 from phalanx.serve.chat_input import PipedLines, read_message
+from phalanx.serve.ollama_ignored import IgnoredOllamaOptions
 from phalanx.serve.ollama_schema import OllamaOptions
 
 
@@ -23,7 +24,8 @@ def command(line: str, conversation: Conversation | None = None) -> str:
 
 
 def test_parameters_are_the_servers_options():
-    assert set(PARAMETERS) == set(OllamaOptions.model_fields)
+    # The options a server acts on; those it accepts and ignores as Ollama does are not offered.
+    assert set(PARAMETERS) == set(OllamaOptions.model_fields) - set(IgnoredOllamaOptions.model_fields)
     assert all(f"/set parameter {name} " in COMPLETIONS for name in PARAMETERS)
 
 

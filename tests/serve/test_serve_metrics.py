@@ -23,7 +23,7 @@ def test_metrics_parse_and_count(server):
         chat = http.post("/api/chat", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                             "stream": False, "options": {"num_predict": 5}}).json()
         completion = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}).json()
-        assert http.post("/api/chat", json={"model": "nobody", "messages": []}).status_code == 400
+        assert http.post("/api/chat", json={"model": "nobody", "messages": 5}).status_code == 400
         assert http.post("/api/chat", json={"model": "nobody", "messages": [{"role": "user"}]}).status_code == 404
         after = scrape(http)
 

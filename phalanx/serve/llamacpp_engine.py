@@ -1,0 +1,372 @@
+"""An inference engine on llama.cpp, with the built-in engine's interface (phalanx.serve.engine.Engine).
+
+The same front (submit -> RequestStream of text pieces then one Finish, start/stop, alive/waiting/active,
+kv_cache_bytes, the observer hooks, QueueFull/PromptTooLong), so the Ollama and OpenAI routes, limits and
+metrics stay phalanx's; underneath, llama.cpp runs the run's GGUF export.
+
+One background thread owns a llama.cpp context whose KV cache holds `slots` sequences of `context`
+tokens (slots x context cells; by default each sequence in its own stream of them, so its attention
+spans its own cells only, or one unified pool with unified_kv=True). Continuous batching: a request waits in a bounded
+queue until a slot is free and joins at the next step boundary; every step is one llama_decode of a
+single batch holding one decode token for each running sequence and the next prompt chunk of each
+joining one, so prefill never stalls the others. A finished sequence's cache entries are removed at once
+and its slot is free for the next step.
+
+Prompt chunks are cut at fixed offsets (multiples of the batch size less the slots' decode tokens), not
+by how full a step is, so a prompt is fed in the same pieces whatever else runs, into the same cells of
+its own stream; with llama.cpp's matrix products computed row by row this keeps a request's greedy
+tokens the same alone and in a busy batch (the tests check it, in both cache layouts).
+
+Sampling is phalanx's own RequestSampler on each token's row of llama.cpp's logits (handed over as a
+torch tensor), so temperature, top_k/top_p/min_p, the penalties, seeds and structured output (a
+TokenConstraint) behave exactly as in the torch engine; llama.cpp's sampler chain is not used. Token ids
+are phalanx's tokenizer's: the GGUF export carries that vocabulary and tokenises the same.
+
+As in the torch engine, no single request can stop the thread: a bad request (a token id the model does
+not have, options the sampler cannot take) fails alone with reason "error"; a failed llama_decode fails
+the requests of that step; anything else that escapes a step fails what was running and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from phalanx.data.tokenizer import special_ids
+from phalanx.errors import PhalanxError
+from phalanx.serve.engine import EngineObserver, Finish, Piece, PromptTooLong, QueueFull, RequestStream
+from phalanx.serve.llamacpp_context import LlamaCppContext
+from phalanx.serve.options import SamplingOptions
+from phalanx.serve.sampler import RequestSampler
+from phalanx.serve.structured_output import TokenConstraint, TokenVocabulary
+from phalanx.serve.text_stream import IncrementalText, StopMatcher
+
+log = logging.getLogger("phalanx.serve")
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    options: SamplingOptions
+    limit: int  # most new tokens: max_tokens capped by the context left
+    stream: RequestStream
+    submitted_at: float
+    constraint: TokenConstraint | None = None
+    top_logprobs: int | None = None
+
+
+@dataclass
+class _Sequence:
+    """A request holding a slot: its sequence id in llama.cpp's cache is the slot number."""
+
+    request: _Request
+    slot: int
+    sampler: RequestSampler
+    text: IncrementalText
+    stops: StopMatcher
+    prefill_started_at: float
+    fed: int = 0  # tokens in the cache: the next one goes at this position
+    last_token: int = 0
+    generated: int = 0
+    first_token_at: float | None = None
+    logprobs: list[dict] | None = None  # entries whose text has not been handed out yet
+    prefilled: bool = False
+    chunk_end: int = 0  # while prefilling: where this step's prompt chunk ends
+    rows: list[int] = field(default_factory=list)  # this step's batch row of the token it reads logits at
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.request.prompt_ids) - self.fed
+
+
+class LlamaCppEngine:
+    def __init__(self, gguf_path: Path | str, tokenizer: Tokenizer, slots: int = 8, max_queue: int = 64,
+                 context: int | None = None, threads: int | None = None,
+                 observer: EngineObserver | None = None, kv_dtype: str = "f16", batch_tokens: int = 512,
+                 use_extra_buffers: bool = False, unified_kv: bool = False, flash_attention: bool | None = None):
+        """gguf_path: a phalanx GGUF export (its vocabulary is `tokenizer`'s). context: tokens per slot
+        (default and most: the model's context_length). threads: llama.cpp's (default: torch's, which
+        `phalanx serve --threads` sets). kv_dtype: the cache's element type, f16 (llama.cpp's default) or
+        f32 (closest to the torch engine). batch_tokens: the most tokens one step decodes.
+        use_extra_buffers: llama.cpp's AMX/repacked weight buffers, off by default because on CPUs whose
+        kernel does not grant AMX tile state they die with SIGILL. unified_kv: one pool of cells for all
+        sequences (llama.cpp's kv_unified) instead of a stream per sequence. flash_attention: llama.cpp's;
+        by default off with an f32 cache (its CPU kernel rounds through f16) and llama.cpp's choice with f16."""
+        if slots < 1 or max_queue < 0:
+            raise ValueError("an engine needs at least one slot and a queue of at least 0")
+        self.tokenizer = tokenizer
+        self.bos_id, self.eos_id = special_ids(tokenizer)
+        self.slots, self.max_queue = slots, max_queue
+        self.device = CPU
+        self.threads = threads or torch.get_num_threads() or os.cpu_count() or 1
+        self.llama = LlamaCppContext(Path(gguf_path), slots, context, self.threads, kv_dtype, batch_tokens,
+                                     use_extra_buffers, unified_kv, flash_attention)
+        if (self.llama.bos_id, self.llama.eos_id) != (self.bos_id, self.eos_id):
+            self.llama.close()
+            raise PhalanxError(f"{gguf_path} has begin/end-of-text tokens {self.llama.bos_id}/{self.llama.eos_id}, "
+                               f"the tokenizer {self.bos_id}/{self.eos_id}: it was not exported with this tokenizer")
+        self.context = self.llama.context
+        self.vocab_size = self.llama.vocab_size
+        # Prompt chunks start at multiples of this, whatever the load (see the module's docstring).
+        self.prefill_chunk = self.llama.batch_tokens - slots if self.llama.batch_tokens > slots else 1
+        self.observer = observer
+        self.vocabulary = TokenVocabulary(tokenizer, self.eos_id, self.vocab_size)
+        self._cond = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._active: dict[int, _Sequence] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- the caller's side (as Engine's) ----
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.llama.kv_cache_bytes
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def submit(self, prompt_ids: list[int], options: SamplingOptions, context_limit: int | None = None,
+               loop: asyncio.AbstractEventLoop | None = None, constraint: TokenConstraint | None = None,
+               top_logprobs: int | None = None) -> RequestStream:
+        """Queue a request; raises PromptTooLong or QueueFull at once rather than failing later.
+        context_limit (a request's num_ctx) can only narrow the engine's context."""
+        context = min(context_limit or self.context, self.context)
+        n = len(prompt_ids)
+        if n == 0:
+            raise PromptTooLong("the prompt is empty")
+        if n >= context:
+            raise PromptTooLong(f"the prompt is {n} tokens but the context holds {context}, leaving no room "
+                                f"for a reply; shorten it to at most {context - 1} tokens")
+        room = context - n
+        limit = room if options.max_tokens is None else min(options.max_tokens, room)
+        stream = RequestStream(n, loop)
+        request = _Request(list(prompt_ids), options, limit, stream, time.perf_counter(), constraint, top_logprobs)
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            for gone in [r for r in self._waiting if r.stream.cancelled]:  # no queue places for the departed
+                self._waiting.remove(gone)
+                self._finish_unstarted(gone, "cancelled")
+            if len(self._active) + len(self._waiting) >= self.slots + self.max_queue:
+                raise QueueFull(f"all {self.slots} slots are busy and {len(self._waiting)} requests are waiting "
+                                f"(the most the queue holds); try again later")
+            self._waiting.append(request)
+            self._cond.notify()
+        return stream
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="phalanx-llamacpp-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the loop; requests still running or waiting finish with reason "error". llama.cpp's memory
+        is freed by the thread as it ends (or here, if it never started)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is None:
+            self.llama.close()
+        else:
+            self._thread.join(timeout)
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.llama.close()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._active:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                free = [s for s in range(self.slots) if s not in self._active]
+                joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+            pending = deque(zip(free, joining))
+            try:
+                while pending:
+                    self._join(*pending.popleft())
+                for seq in [s for s in self._active.values() if s.request.stream.cancelled]:
+                    self._finish(seq, "cancelled")
+                if self._active:
+                    self._step()
+            except Exception as e:  # a bug no request's own guard caught: fail what ran, keep the thread
+                log.exception("llama.cpp engine step failed")
+                for _, request in pending:
+                    self._finish_unstarted(request, "error", f"generation failed: {e}")
+                for seq in list(self._active.values()):
+                    self._finish(seq, "error", f"generation failed: {e}")
+        with self._cond:
+            left = list(self._active.values()), list(self._waiting)
+            self._waiting.clear()
+        for seq in left[0]:
+            self._finish(seq, "error", "the server is shutting down")
+        for request in left[1]:
+            self._finish_unstarted(request, "error", "the server is shutting down")
+
+    def _join(self, slot: int, request: _Request) -> None:
+        """Give a request its slot; its prompt is fed by the coming steps."""
+        if request.stream.cancelled:
+            return self._finish_unstarted(request, "cancelled")
+        if request.limit == 0:
+            return self._finish_unstarted(request, "length")
+        bad = next((t for t in request.prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:  # llama.cpp would refuse the whole batch, failing its neighbours too
+            return self._finish_unstarted(request, "error", f"generation failed: token id {bad} is not in the "
+                                                            f"model's vocabulary of {self.vocab_size}")
+        try:
+            seq = _Sequence(request, slot, RequestSampler(request.options, request.prompt_ids, self.context, CPU),
+                            IncrementalText(self.tokenizer), StopMatcher(request.options.stop), time.perf_counter(),
+                            logprobs=None if request.top_logprobs is None else [])
+        except Exception as e:  # options no validation caught (a seed torch cannot take, say)
+            log.exception("request set-up failed")
+            return self._finish_unstarted(request, "error", f"generation failed: {e}")
+        self.llama.forget(slot)  # nothing of the slot's last sequence may leak into this one's attention
+        with self._cond:
+            self._active[slot] = seq
+
+    def _step(self) -> None:
+        """One llama_decode: a token for every decoding sequence, then whole prompt chunks while they fit."""
+        llama = self.llama
+        llama.clear()
+        seqs = list(self._active.values())
+        decoding = [s for s in seqs if s.prefilled]
+        for seq in decoding:
+            seq.rows = [llama.add(seq.last_token, seq.fed, seq.slot, True)]
+        in_batch = list(decoding)
+        for seq in (s for s in seqs if not s.prefilled):  # in the order they joined
+            prompt, start = seq.request.prompt_ids, seq.fed
+            end = min(len(prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+            if llama.queued + (end - start) > llama.batch_tokens:
+                break  # the rest wait for the next step (the oldest joiner first)
+            for position in range(start, end):
+                row = llama.add(prompt[position], position, seq.slot, position == len(prompt) - 1)
+            seq.chunk_end, seq.rows = end, [row] if end == len(prompt) else []
+            in_batch.append(seq)
+        try:
+            llama.decode()
+        except Exception as e:  # the batch itself: fail this step's requests, keep serving
+            log.exception("llama_decode failed")
+            for seq in in_batch:
+                self._finish(seq, "error", f"generation failed: {e}")
+            return
+        for seq in in_batch:  # each sequence on its own: one request's bad sample fails it alone
+            try:
+                self._advance(seq)
+            except Exception as e:
+                log.warning("request in slot %d failed: %s", seq.slot, e)
+                if self._active.get(seq.slot) is seq:
+                    self._finish(seq, "error", f"generation failed: {e}")
+
+    def _advance(self, seq: _Sequence) -> None:
+        """Account for what this step fed, and take a token where it gave logits."""
+        if seq.prefilled:
+            seq.fed += 1
+        else:
+            seq.fed = seq.chunk_end
+            if seq.prompt_left:
+                return
+            seq.prefilled = True
+            if self.observer:
+                self.observer.prompt_prefilled(len(seq.request.prompt_ids))
+        logits_V = torch.from_numpy(self.llama.logits(seq.rows[0]))
+        constraint = seq.request.constraint
+        if seq.sampler.greedy_without_penalties and constraint is None:
+            token = int(logits_V.argmax())
+        else:
+            token = seq.sampler.pick(logits_V, constraint)
+        self._take(seq, token, logits_V)
+
+    def _take(self, seq: _Sequence, token: int, logits_V: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            if self.observer:
+                self.observer.first_token(now - seq.request.submitted_at)
+        seq.generated += 1
+        if self.observer:
+            self.observer.tokens_generated(1)
+        seq.sampler.accept(token)
+        constraint = seq.request.constraint
+        if constraint is not None:
+            constraint.accept(token)
+        if token == self.eos_id and not seq.request.options.ignore_eos:
+            return self._finish(seq, "stop")
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_entry(token, logits_V, seq.request.top_logprobs))
+        piece = seq.stops.push(seq.text.push(token))
+        if piece:
+            self._deliver(seq, piece)
+        if seq.stops.stopped or (constraint is not None and constraint.complete):
+            return self._finish(seq, "stop")
+        if seq.generated >= seq.request.limit:
+            return self._finish(seq, "length")
+        seq.last_token = token
+
+    def _logprob_entry(self, token: int, logits_V: torch.Tensor, k: int) -> dict:
+        """As the torch engine reports them: log-softmax of the raw logits, the token's and the k likeliest."""
+        logprobs_V = torch.log_softmax(logits_V.float(), dim=-1)
+        entry = self._token_logprob(token, float(logprobs_V[token]))
+        top = torch.topk(logprobs_V, min(k, logprobs_V.numel())) if k else None
+        entry["top_logprobs"] = [] if top is None else [
+            self._token_logprob(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        return entry
+
+    def _token_logprob(self, token: int, logprob: float) -> dict:
+        raw = self.vocabulary.token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0),
+                "bytes": list(raw)}
+
+    def _deliver(self, seq: _Sequence, piece: str) -> None:
+        stream = seq.request.stream
+        if seq.logprobs is None:
+            return stream._deliver(piece)
+        entries, seq.logprobs = seq.logprobs, []
+        stream.logprobs.extend(entries)
+        stream._deliver(Piece.of(piece, entries))
+
+    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
+        stream = seq.request.stream
+        if reason != "error":
+            try:
+                tail = seq.stops.push(seq.text.flush()) + seq.stops.flush()
+            except Exception as e:  # the last piece would not decode: the request still ends, as an error
+                reason, error, tail = "error", f"generation failed: {e}", ""
+            if tail or seq.logprobs:
+                self._deliver(seq, tail)
+        self.llama.forget(seq.slot)  # its cells are free for the next step's tokens
+        with self._cond:
+            self._active.pop(seq.slot, None)
+        stream._deliver(Finish(reason, len(seq.request.prompt_ids), seq.generated, seq.request.submitted_at,
+                               seq.prefill_started_at, seq.first_token_at, time.perf_counter(), error))
+
+    def _finish_unstarted(self, request: _Request, reason: str, error: str | None = None) -> None:
+        now = time.perf_counter()
+        request.stream._deliver(Finish(reason, len(request.prompt_ids), 0, request.submitted_at, now, None, now,
+                                       error))
