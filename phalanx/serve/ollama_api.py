@@ -210,7 +210,7 @@ def ollama_router(served: ServedModel, engine: Engine, residency: ModelResidency
                 "llama.attention.layer_norm_rms_epsilon": args.norm_eps, "llama.rope.freq_base": args.rope_theta,
                 "llama.vocab_size": args.vocab_size,
             },
-            "capabilities": ["completion"],
+            "capabilities": ["completion", "tools"],  # tools: serve/tool_calls.py
             "modified_at": served.loaded_at.isoformat(),
         }
 

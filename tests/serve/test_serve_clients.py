@@ -101,7 +101,7 @@ def test_ollama_model_endpoints(oll, server):
     assert [m.model for m in listed] == [f"{MODEL}:latest"] and listed[0].details.family == "llama"
     shown = oll.show(MODEL)
     assert shown.modelinfo["llama.context_length"] == 1024 and shown.modelinfo["llama.embedding_length"] == 64
-    assert "ASSISTANT:" in shown.template and shown.capabilities == ["completion"]
+    assert "ASSISTANT:" in shown.template and shown.capabilities == ["completion", "tools"]
     running = oll.ps().models
     assert running[0].name == f"{MODEL}:latest" and running[0].context_length == 1024
     with server.client() as http:
