@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Optional
 
@@ -45,12 +46,25 @@ def register(app: typer.Typer) -> None:
                                           help="Peak TFLOP/s of one CPU host for --gpu cpu (default: a guess "
                                                "from its cores)."),
         compare: bool = typer.Option(False, "--compare", help="Plan the same job on every known device."),
+        tp: int = typer.Option(None, "--tp", metavar="N", help="Tensor-parallel ranks (heads and FFN split)."),
+        pp: int = typer.Option(None, "--pp", metavar="N", help="Pipeline stages."),
+        cp: int = typer.Option(None, "--cp", metavar="N", help="Context-parallel ranks (sequence split)."),
+        dp_shard: int = typer.Option(None, "--dp-shard", metavar="N", help="FSDP shard group (default: the rest)."),
+        dp_replicate: int = typer.Option(None, "--dp-replicate", metavar="N", help="Replicas (HSDP's outer dim)."),
+        pp_schedule: str = typer.Option(None, "--pp-schedule", help="1f1b, interleaved_1f1b or gpipe."),
+        no_trace: bool = typer.Option(False, "--no-trace",
+                                      help="Hand model only: skip tracing the layout's real step on fake "
+                                           "tensors (seconds to a minute for 70B)."),
         json_out: bool = JsonOpt,
     ) -> None:
         """Will a training run fit: memory per device, the largest micro batch, projected tokens/s.
 
+        With no layout (--tp/--pp/--cp/--dp-*) and no --strategy, it proposes a 4-D layout for --gpus.
+
         Examples:
-          phalanx plan 8b --gpu mi300x --gpus 8
+          phalanx plan 70b --gpu mi300x --gpus 64
+          phalanx plan 70b --gpu mi300x --gpus 64 --tp 8 --pp 2
+          phalanx plan 8b --gpu mi300x --gpus 8 --strategy fsdp
           phalanx plan 70b --gpus 8 --compare
           phalanx plan demo --gpu cpu --gpus 2 train.global_batch_size=32
         """
@@ -69,6 +83,26 @@ def register(app: typer.Typer) -> None:
         devices = all_devices(peak_tflops) if compare else [get_device(gpu, peak_tflops)]
         job = planner.resolve_job(source, gpus, strategy=strategy, micro_batch=micro_batch, seq_len=seq_len,
                                   activation_checkpointing=ac, overrides=overrides or [])
+        layout_given = any(v is not None for v in (tp, pp, cp, dp_shard, dp_replicate))
+        if layout_given and (compare or strategy is not None):
+            raise PhalanxError("a layout (--tp/--pp/--cp/--dp-shard/--dp-replicate) is planned on one device and "
+                               "replaces --strategy; drop --compare / --strategy")
+        # A model preset with no layout and no strategy: propose one. A run config keeps its strategy.
+        from phalanx.models.presets import MODEL_PRESETS
+
+        propose_one = strategy is None and source in MODEL_PRESETS and job.name == source
+        if not compare and (layout_given or propose_one):
+            from phalanx.plan import propose
+            from phalanx.plan.report import print_layouts
+
+            job = dataclasses.replace(job, cp=cp or job.cp, pp_schedule=pp_schedule or job.pp_schedule)
+            if layout_given:
+                par = propose.given_layout(job, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp)
+                result = propose.plan_layout(job, devices[0], par, mfu=mfu, headroom=headroom, do_trace=not no_trace)
+            else:
+                result = propose.propose(job, devices[0], mfu=mfu, headroom=headroom, do_trace=not no_trace)
+            print(json.dumps(result)) if json_out else print_layouts(result)
+            return
         if compare:
             rows = planner.compare(job, devices, mfu=mfu, headroom=headroom)
             if json_out:

@@ -28,6 +28,9 @@ class Device:
     source: str
     # CPU ranks share one host's memory; GPU ranks each have their own device.
     shared_by_ranks: bool = False
+    # GB/s one device sends: to a peer in its node (xGMI / NVLink, one direction) and out of the node.
+    intra_node_gbps: float = 50.0
+    inter_node_gbps: float = 50.0
 
 
 # name -> (HBM GiB, the torch device-name key of the flops table, datasheet)
@@ -40,6 +43,14 @@ _GPUS: dict[str, tuple[float, str, str]] = {
     "h100": (80, "h100", "NVIDIA H100 datasheet: 80 GB HBM3 (SXM5)"),
     "h200": (141, "h200", "NVIDIA H200 datasheet: 141 GB HBM3e (SXM)"),
     "b200": (180, "b200", "NVIDIA HGX B200 datasheet: 1,440 GB HBM3e per 8 GPUs"),
+}
+
+# Peak one-direction bandwidth per device inside a node (vendor figures: MI300X/MI325X 896 GB/s and
+# MI350X/MI355X 1,075 GB/s of Infinity Fabric both ways; NVLink 3/4/5 600/900/1,800 GB/s both ways) and
+# across nodes (one 400 Gb/s NIC per GPU, the usual build of these clusters). Collectives reach less.
+_LINKS: dict[str, tuple[float, float]] = {
+    "mi300x": (448, 50), "mi325x": (448, 50), "mi350x": (537, 50), "mi355x": (537, 50),
+    "a100": (300, 25), "h100": (450, 50), "h200": (450, 50), "b200": (900, 50),
 }
 
 # A CPU's fp32 peak is not in any table: cores x an AVX2-class 32 FLOP/cycle (two 8-wide FMA units)
@@ -64,7 +75,8 @@ def get_device(name: str, cpu_peak_tflops: float | None = None) -> Device:
     memory, flops_key, source = _GPUS[key]
     peak = peak_tflops(flops_key)
     assert peak is not None, f"{flops_key} is missing from phalanx.models.flops.PEAK_BF16_TFLOPS"
-    return Device(key, float(memory), peak, "gpu", source)
+    intra, inter = _LINKS[key]
+    return Device(key, float(memory), peak, "gpu", source, intra_node_gbps=intra, inter_node_gbps=inter)
 
 
 def all_devices(cpu_peak_tflops: float | None = None) -> list[Device]:

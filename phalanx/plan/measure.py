@@ -35,8 +35,10 @@ from phalanx.config.schema import ModelSection, TrainSection
 from phalanx.models.from_config import model_args
 from phalanx.models.llama import Transformer
 from phalanx.parallel.apply import gradient_sync, parallelize
+from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.device import compute_dtype
 from phalanx.parallel.distributed import init_distributed, teardown
+from phalanx.parallel.mesh import Layout, build_mesh
 from phalanx.train.optim import build_optimizer, clip_gradients
 
 BUILD, STEPS = "phalanx.plan.build", "phalanx.plan.steps"
@@ -44,7 +46,7 @@ BUILD, STEPS = "phalanx.plan.build", "phalanx.plan.steps"
 
 def measure(preset: str, strategy: str, micro_batch: int, seq_len: int, *, steps: int = 2,
             accumulation: int = 1, activation_checkpointing: bool = False, dtype: str = "float32",
-            overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+            overrides: dict[str, Any] | None = None, tp: int = 1) -> dict[str, Any]:
     """Peak live tensor bytes of this rank over `steps` optimizer steps (the second is the steady
     state: optimizer states exist while activations are alive)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -60,12 +62,18 @@ def measure(preset: str, strategy: str, micro_batch: int, seq_len: int, *, steps
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with record_function(BUILD):
                 torch.manual_seed(0)
-                model = Transformer(args).to(env.device)
-                model = parallelize(model, strategy, env, activation_checkpointing=activation_checkpointing,
-                                    compile=False, dtype=cdtype)
+                if tp > 1:  # a 2-D layout: built as training builds it (meta, TP, FSDP2, materialised)
+                    layout = Layout(1, env.world_size // tp, tp)
+                    model = build_parallel_model(args, layout, build_mesh(layout, "cpu"), env.device, seed=0,
+                                                 activation_checkpointing=activation_checkpointing, compile=False,
+                                                 dtype=cdtype)
+                else:
+                    model = Transformer(args).to(env.device)
+                    model = parallelize(model, strategy, env, activation_checkpointing=activation_checkpointing,
+                                        compile=False, dtype=cdtype)
                 optimizer = build_optimizer(model, train)
                 params = [p for p in model.parameters() if p.requires_grad]
-            fsdp = env.distributed and strategy == "fsdp"
+            fsdp = env.distributed and (strategy == "fsdp" if tp == 1 else uses_fsdp(layout))
             autocast_dtype = cdtype if cdtype != torch.float32 and not fsdp else None
             generator = torch.Generator().manual_seed(env.rank)
             with record_function(STEPS):
@@ -80,7 +88,7 @@ def measure(preset: str, strategy: str, micro_batch: int, seq_len: int, *, steps
     finally:
         teardown(clean)
     return {"rank": env.rank, "world_size": env.world_size, "preset": preset, "model": overrides or {},
-            "strategy": strategy,
+            "strategy": strategy, "tp": tp,
             "micro_batch": micro_batch, "seq_len": seq_len, "accumulation": accumulation,
             "activation_checkpointing": activation_checkpointing, "dtype": str(cdtype).removeprefix("torch."),
             "peak_tensor_bytes": peak, "unpaired_bytes": unpaired,
@@ -178,12 +186,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
                         help="override a model shape field of the preset, e.g. vocab_size=512")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the rest shard with FSDP)")
     parser.add_argument("--out", type=Path, required=True)
     opts = parser.parse_args(argv)
     overrides = {key: int(value) for key, _, value in (item.partition("=") for item in opts.model)}
     result = measure(opts.preset, opts.strategy, opts.micro_batch, opts.seq_len, steps=opts.steps,
                      accumulation=opts.accumulation, activation_checkpointing=opts.activation_checkpointing,
-                     dtype=opts.dtype, overrides=overrides)
+                     dtype=opts.dtype, overrides=overrides, tp=opts.tp)
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / f"rank{result['rank']}.json").write_text(json.dumps(result))
 

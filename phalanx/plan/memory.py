@@ -10,7 +10,8 @@ was live there.
 
 What each unit keeps for backward was read off the model's ops (llama.py) and checked tensor by tensor
 with autograd's saved-tensor hooks; the step's peaks were checked against measured allocations
-(phalanx/plan/measure.py, tests/plan). Shape letters: B micro batch, T tokens, D dim, F ffn dim, V
+(phalanx/plan/measure.py, tests/plan), and, for tensor parallelism, against the traced step
+(plan/traced.py) and real gloo steps. Shape letters: B micro batch, T tokens, D dim, F ffn dim, V
 vocab, H query heads, E head dim, KE = n_kv_heads * E, Nb parameters of one block.
 
 Assumed and not modelled: SDPA runs a flash-style kernel (saves its output and a float32 logsumexp,
@@ -57,6 +58,12 @@ class Workload:
     activation_checkpointing: bool = False
     dtype: str = "bfloat16"  # the compute dtype: bfloat16 | float32
     device_kind: str = "gpu"  # gpu: nccl, foreach AdamW; cpu: gloo, per-tensor AdamW
+    # Tensor parallelism (parallel/tensor_parallel.py): heads, FFN and vocabulary split tp ways, the
+    # residual stream split along the sequence between the projections. world_size stays the FSDP degree.
+    tp: int = 1
+    # Micro-batches whose saved activations are alive together on this rank: more than one on a pipeline
+    # stage (plan/parallelism.py's schedules); args.n_layers is then the stage's layers.
+    in_flight: int = 1
 
     def __post_init__(self):
         if self.strategy not in ("none", "ddp", "fsdp"):
@@ -66,7 +73,7 @@ class Workload:
         if self.dtype not in ("bfloat16", "float32") or self.device_kind not in ("gpu", "cpu"):
             raise PhalanxError(f"dtype must be bfloat16|float32 and device kind gpu|cpu, not "
                                f"{self.dtype}, {self.device_kind}")
-        for name in ("world_size", "micro_batch", "seq_len", "accumulation"):
+        for name in ("world_size", "micro_batch", "seq_len", "accumulation", "tp", "in_flight"):
             if getattr(self, name) < 1:
                 raise PhalanxError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
         if self.seq_len > self.args.max_seq_len:
@@ -104,13 +111,15 @@ class MemoryEstimate:
         return dataclasses.asdict(self)
 
 
-def param_shapes(args: ModelArgs) -> dict[str, list[tuple[int, ...]]]:
+def param_shapes(args: ModelArgs, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes by FSDP group, as Transformer(args) registers them: "root" (embedding, final
-    norm, untied output) and "block" (each of the n_layers blocks has the same)."""
-    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
-    hd = args.n_heads * args.head_dim
+    norm, untied output) and "block" (each of the n_layers blocks has the same); with tensor
+    parallelism, one rank's share (projections split by output or input, embedding and output by
+    vocabulary, norms whole)."""
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim // tp, args.ffn_dim // tp
+    hd, v = args.n_heads * args.head_dim // tp, args.vocab_size // tp
     block = [(hd, d), (kv, d), (kv, d), (d, hd), (f, d), (f, d), (d, f), (d,), (d,)]
-    root = [(args.vocab_size, d), (d,)] + ([] if args.tie_embeddings else [(args.vocab_size, d)])
+    root = [(v, d), (d,)] + ([] if args.tie_embeddings else [(v, d)])
     return {"root": root, "block": block}
 
 
@@ -150,7 +159,7 @@ class _StepWalk:
         self.w, a = w, w.args
         self.live = _Live()
         n = w.world_size if w.sharded else 1
-        shapes = param_shapes(a)
+        shapes = param_shapes(a, w.tp)
         numel = lambda s: math.prod(s)  # noqa: E731
         padded = lambda s: math.ceil(s[0] / n) * n * math.prod(s[1:])  # FSDP2 pads dim 0 to N rows
         self.root_numel = sum(numel(s) for s in shapes["root"])
@@ -182,40 +191,46 @@ class _StepWalk:
     # -- what each unit saves for backward ---------------------------------------------------------
     def block_saved(self) -> int:
         """Bytes autograd keeps for one block (without activation checkpointing)."""
-        a, w, bt = self.w.args, self.w, self.bt
-        d, kv, f = a.dim, a.n_kv_heads * a.head_dim, a.ffn_dim
+        a, w, bt, tp = self.w.args, self.w, self.bt, self.w.tp
+        d, kv, f = a.dim, a.n_kv_heads * a.head_dim // tp, a.ffn_dim // tp
+        # Under TP, tensors of the residual stream (x, norms, h) hold 1/tp of the tokens ("seq"), each
+        # projection's all-gathered input is whole ("whole"), q and the attention output 1/tp of the heads.
+        seq, whole, heads = bt * d // tp, bt * d, bt * a.n_heads * a.head_dim // tp
         # Two RMSNorm rsqrt (B, T, 1) and SDPA's logsumexp (B, H, T), float32 in every regime.
-        small = FP32 * (2 * bt + w.micro_batch * a.n_heads * w.seq_len)
+        small = FP32 * (2 * bt // tp + w.micro_batch * a.n_heads // tp * w.seq_len)
         # RoPE tables cast to bf16 for q and k (cos, sin each), T x E: float32 buffers under bf16.
         rope = 4 * BF16 * w.seq_len * a.head_dim if w.dtype == "bfloat16" else 0
         if w.regime == "float32":
             # input x, norm y, norm out (shared by wq/wk/wv), q, SDPA out (= wo's input, a view), h,
             # ffn norm y and out; k, v; w1 out (silu's input), silu out, w3 out, their product.
-            return FP32 * (8 * bt * d + 2 * bt * kv + 4 * bt * f) + small
+            return FP32 * (4 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
         if w.regime == "autocast":
             # float32: x, norm y, h, ffn norm y. bf16: autocast casts the norm output once per linear
             # (wq, wk, wv; w1, w3: 5 copies), q, SDPA out; k, v; the four SwiGLU tensors.
-            return FP32 * 4 * bt * d + BF16 * (7 * bt * d + 2 * bt * kv + 4 * bt * f) + small + rope
+            return FP32 * 4 * seq + BF16 * (5 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small + rope
         # fsdp_bf16: each norm saves its float32 upcast (2), and bf16: norm y and out (x2), q, SDPA
         # out; k, v; the SwiGLU four.
-        return FP32 * 2 * bt * d + BF16 * (6 * bt * d + 2 * bt * kv + 4 * bt * f) + small + rope
+        return FP32 * 2 * seq + BF16 * (2 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small + rope
 
     def head_saved(self) -> int:
         """Final norm, output projection and loss: log_softmax's float32 result and the norm's tensors."""
-        d, bt = self.w.args.dim, self.bt
-        norm = {"float32": FP32 * 3 * bt * d, "autocast": FP32 * 2 * bt * d + BF16 * bt * d,
-                "fsdp_bf16": FP32 * bt * d + BF16 * 2 * bt * d}[self.w.regime]
+        d, bt, tp = self.w.args.dim, self.bt, self.w.tp
+        # The norm's own tensors hold 1/tp of the tokens under TP; the output projection's gathered input
+        # is whole (the last of the three terms of each regime). The logits are gathered whole.
+        seq = bt * d // tp
+        norm = {"float32": FP32 * (2 * seq + bt * d), "autocast": FP32 * 2 * seq + BF16 * bt * d,
+                "fsdp_bf16": FP32 * seq + BF16 * (seq + bt * d)}[self.w.regime]
         return FP32 * self.btv + norm + FP32 * bt + FP32  # and nll_loss's total weight, a scalar
 
     def block_input(self) -> int:
         """What a checkpointed block keeps: its input (the residual stream)."""
-        return self.residual * self.bt * self.w.args.dim
+        return self.residual * self.bt * self.w.args.dim // self.w.tp
 
     def autocast_copies(self) -> tuple[int, int]:
         """bf16 copies of the matmul weights autocast makes and autograd keeps: (per block, output)."""
         if self.w.regime != "autocast":
             return 0, 0
-        return BF16 * self.block_matmul, BF16 * self.w.args.vocab_size * self.w.args.dim
+        return BF16 * self.block_matmul, BF16 * self.w.args.vocab_size // self.w.tp * self.w.args.dim
 
     # -- the step ------------------------------------------------------------------------------------
     def run(self) -> MemoryEstimate:
@@ -224,6 +239,9 @@ class _StepWalk:
         live.add(OPTIMIZER, self.states, "start")
         live.add(BUCKETS, self.buckets, "start")
         live.add(ACTIVATIONS, 2 * INT64 * self.bt * w.accumulation, "start")  # every micro-batch's tokens
+        # A pipeline stage's earlier micro-batches, waiting for their backward: their blocks' saved tensors.
+        per_block = self.block_input() if w.activation_checkpointing else self.block_saved()
+        live.add(ACTIVATIONS, (w.in_flight - 1) * w.args.n_layers * per_block, "start")
         saved = self._forward_saved()
         # Later micro-batches start with the earlier ones' gradients (and logits) alive; the last one
         # also reduces them, so the first and the last show the peak of any number.
@@ -286,7 +304,7 @@ class _StepWalk:
     def _backward(self, micro: int, last: bool) -> None:
         w, live, a = self.w, self.live, self.w.args
         per_block_copies, output_copy = self.autocast_copies()
-        d, f, v = a.dim, a.ffn_dim, a.vocab_size
+        d, f, v = a.dim, a.ffn_dim // w.tp, a.vocab_size // w.tp
         fsdp_grad = self.gather  # FSDP's unsharded gradients come in the gathered dtype
         prefetch = self.gather * self.block_padded if w.sharded else 0
 
@@ -380,7 +398,7 @@ class _StepWalk:
         `exp_avg_sq.sqrt() / c` holds two tensors of the largest parameter."""
         w, live = self.w, self.live
         n = w.world_size if w.sharded else 1
-        shapes = param_shapes(w.args)
+        shapes = param_shapes(w.args, w.tp)
         local = lambda s: math.ceil(s[0] / n) * math.prod(s[1:])  # noqa: E731
         every = shapes["root"] + w.args.n_layers * shapes["block"]
         if w.device_kind == "gpu":

@@ -38,6 +38,10 @@ class Job:
     accumulation: int
     activation_checkpointing: bool
     dtype: str  # auto | float32 | bfloat16 (auto: bf16 on GPUs, fp32 on CPU, as the trainer does)
+    # For 4-D layouts (propose.py): context-parallel ranks, and the pipeline's schedule and micro-batches.
+    cp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
 
     def workload(self, device: Device, **changes: Any) -> Workload:
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device.kind == "gpu" else "float32")
@@ -100,7 +104,8 @@ def _job_from_config(source: str, gpus: int, strategy: str | None, micro_batch: 
                            f"batch ({micro}) x {ranks} ranks = {micro * ranks}")
     return Job(source, args, strat, gpus, micro, seq_len or tc.seq_len, tc.global_batch_size // (micro * ranks),
                tc.activation_checkpointing if activation_checkpointing is None else activation_checkpointing,
-               tc.dtype)
+               tc.dtype, cp=config.parallel.cp, pp_schedule=config.parallel.pp_schedule,
+               pp_microbatches=config.parallel.pp_microbatches)
 
 
 def plan(job: Job, device: Device, *, mfu: float = DEFAULT_MFU, headroom: float = DEFAULT_HEADROOM) -> dict[str, Any]:

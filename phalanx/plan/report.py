@@ -11,6 +11,7 @@ from phalanx.plan.memory import CATEGORIES
 from phalanx.plan.planner import GIB, Job
 
 out = Console()
+MAX_ROWS = 12  # candidates shown in a proposal's table
 
 
 def print_plan(r: dict[str, Any]) -> None:
@@ -86,3 +87,56 @@ def _count(n: int) -> str:
         if n >= size:
             return f"{n / size:.3g}{unit}"
     return str(n)
+
+
+def print_layouts(r: dict[str, Any]) -> None:
+    """A layout plan or proposal: every candidate with why it lost, then the chosen one in detail."""
+    job = r["job"]
+    title = (f"{job['source']} ({_count(job['params'])} params) on {job['devices']} x {r['device']}: micro batch "
+             f"{job['micro_batch']} x {job['seq_len']} tokens; {r['headroom']:.0%} headroom, tokens/s at "
+             f"{r['mfu']:.0%} MFU less bubble and exposed communication")
+    table = Table(title=title, title_justify="left")
+    with_cp = any(row["layout"]["cp"] > 1 for row in r["candidates"])  # a column only where it says something
+    for column in ("pp", "dp", "tp", *(["cp"] if with_cp else []), "m", "AC", "GiB", "fits", "bubble", "comm",
+                   "tok/s", "why not"):
+        table.add_column(column, justify="left" if column == "why not" else "right",
+                         no_wrap=column in ("why not", "tok/s"))
+    chosen = r["chosen"]
+    for row in r["candidates"][:MAX_ROWS]:
+        lay = row["layout"]
+        style = "bold" if chosen and lay == chosen["layout"] else None
+        dp = f"{lay['dp_replicate']}x{lay['dp_shard']}" if lay["dp_replicate"] > 1 else str(lay["dp_shard"])
+        table.add_row(str(lay["pp"]), dp, str(lay["tp"]), *([str(lay["cp"])] if with_cp else []), str(lay["microbatches"]),
+                      "on" if row["activation_checkpointing"] else "off", f"{row['peak_gib']:.0f}",
+                      _fits(row["fits"]), f"{row['bubble_fraction']:.0%}", f"{row['communication_gib']:.0f}",
+                      f"{row['tokens_per_sec']:,.0f}", row.get("why_not", "chosen" if style else ""), style=style)
+    out.print(table)
+    if len(r["candidates"]) > MAX_ROWS:
+        out.print(f"... and {len(r['candidates']) - MAX_ROWS} more (--json lists them all). m: micro-batches per "
+                  "step per replica; GiB: peak per rank; comm: GiB one rank sends per step")
+    out.print(f"[bold]layout:[/bold] {r['reason']}")
+    if chosen is None:
+        return
+    detail = Table(show_header=False, title=f"{chosen['describe']}, per rank", title_justify="left")
+    memory = chosen["memory"]
+    detail.add_row("peak (hand model)", f"{memory['peak_gib']:.2f} GiB at {memory['peak_at']}")
+    traced = chosen.get("traced")
+    if traced:
+        detail.add_row("peak (traced step)", f"{traced['peak_gib']:.2f} GiB, hand/traced {traced['hand_over_traced']:.3f}"
+                                            f" ({traced['seconds']:.0f} s on fake tensors)")
+        if traced["optimizer_step_from_hand"]:
+            detail.add_row("optimizer step", "its peak is the hand model's (the trace counts through backward)")
+        if traced["more_micro_batches_gib"]:
+            detail.add_row("micro-batches beyond the traced one", f"+{traced['more_micro_batches_gib']:.2f} GiB "
+                                                                  "(in flight or accumulated; hand model)")
+    elif chosen.get("trace_skipped"):
+        detail.add_row("traced step", chosen["trace_skipped"])
+    detail.add_row("usable", f"{chosen['usable_gib_per_rank']:.2f} GiB")
+    detail.add_row("stage", f"{chosen['stage_layers']} blocks, {chosen['dtype']}")
+    for kind, nbytes in chosen["communication_bytes"].items():
+        detail.add_row(f"{kind} per step", f"{nbytes / GIB:,.1f} GiB")
+    timing = chosen["timing"]
+    detail.add_row("step", f"{timing['step_s']:.2f} s: compute {timing['compute_s']:.2f}, bubble "
+                           f"{timing['bubble_s']:.2f}, exposed communication {timing['exposed_comm_s']:.2f}")
+    detail.add_row("projected", f"{chosen['tokens_per_sec']:,.0f} tokens/s ({timing['tokens_per_step']:,} per step)")
+    out.print(detail)

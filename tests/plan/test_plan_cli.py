@@ -13,7 +13,8 @@ def plan_json(*args: str) -> dict:
 
 
 def test_plan_json_for_one_device():
-    report = plan_json("8b", "--gpu", "mi300x", "--gpus", "8", "--seq-len", "4096", "--micro-batch", "2")
+    report = plan_json("8b", "--gpu", "mi300x", "--gpus", "8", "--seq-len", "4096", "--micro-batch", "2",
+                       "--strategy", "fsdp")
     assert (report["device"], report["devices"], report["strategy"]) == ("mi300x", 8, "fsdp")
     assert report["dtype"] == "bfloat16"
     assert (report["micro_batch"], report["seq_len"], report["params"]) == (2, 4096, 8030261248)
@@ -42,7 +43,7 @@ def test_compare_lists_every_device():
 
 
 def test_table_output():
-    text = phalanx("plan", "125m", "--gpu", "h100", "--gpus", "2").stdout
+    text = phalanx("plan", "125m", "--gpu", "h100", "--gpus", "2", "--strategy", "fsdp").stdout
     assert "memory per rank at its peak" in text and "largest micro batch" in text and "tokens/s" in text
 
 
