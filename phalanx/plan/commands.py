@@ -84,6 +84,9 @@ def register(app: typer.Typer) -> None:
         job = planner.resolve_job(source, gpus, strategy=strategy, micro_batch=micro_batch, seq_len=seq_len,
                                   activation_checkpointing=ac, overrides=overrides or [])
         layout_given = any(v is not None for v in (tp, pp, cp, dp_shard, dp_replicate))
+        if not layout_given and job.config_layout is not None and strategy is None and not compare:
+            layout_given = True  # a run config's own layout, planned as the flags would plan it
+            tp, pp, dp_shard, dp_replicate = (job.config_layout[k] for k in ("tp", "pp", "dp_shard", "dp_replicate"))
         if layout_given and (compare or strategy is not None):
             raise PhalanxError("a layout (--tp/--pp/--cp/--dp-shard/--dp-replicate) is planned on one device and "
                                "replaces --strategy; drop --compare / --strategy")

@@ -42,6 +42,9 @@ class Job:
     cp: int = 1
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
+    # A run config's own layout (parallel.tp/pp/cp/dp_*) when it sets one beyond plain data parallelism:
+    # planned as given, as the flags would be.
+    config_layout: dict[str, int] | None = None
 
     def workload(self, device: Device, **changes: Any) -> Workload:
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device.kind == "gpu" else "float32")
@@ -105,7 +108,17 @@ def _job_from_config(source: str, gpus: int, strategy: str | None, micro_batch: 
     return Job(source, args, strat, gpus, micro, seq_len or tc.seq_len, tc.global_batch_size // (micro * ranks),
                tc.activation_checkpointing if activation_checkpointing is None else activation_checkpointing,
                tc.dtype, cp=config.parallel.cp, pp_schedule=config.parallel.pp_schedule,
-               pp_microbatches=config.parallel.pp_microbatches)
+               pp_microbatches=config.parallel.pp_microbatches, config_layout=_config_layout(config.parallel, gpus))
+
+
+def _config_layout(parallel, gpus: int) -> dict[str, int] | None:
+    """The degrees the trainer would use (parallel/mesh.py resolves them the same way)."""
+    from phalanx.parallel.mesh import resolve_layout
+
+    if parallel.tp == parallel.pp == parallel.cp == 1 and parallel.dp_shard is None and parallel.dp_replicate is None:
+        return None
+    layout = resolve_layout(parallel, gpus)
+    return {"tp": layout.tp, "pp": layout.pp, "dp_shard": layout.dp_shard, "dp_replicate": layout.dp_replicate}
 
 
 def plan(job: Job, device: Device, *, mfu: float = DEFAULT_MFU, headroom: float = DEFAULT_HEADROOM) -> dict[str, Any]:

@@ -124,3 +124,15 @@ def test_context_parallelism_splits_each_sequence():
     assert "cp K/V ring" in two["communication_bytes"] and "cp K/V ring" not in one["communication_bytes"]
     # FSDP still shards over dp_shard x cp = 8 ranks: the same resident state per rank
     assert two["memory"]["optimizer_states"] == one["memory"]["optimizer_states"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["parallel.tp=2"], {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}),  # ddp: replicas, as the trainer
+    (["parallel.tp=2", "parallel.strategy=fsdp"], {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}),
+])
+def test_a_run_configs_own_layout_is_planned(overrides, expected):
+    """`phalanx plan CONFIG` with parallel.tp/pp set plans the layout the trainer would build."""
+    report = json.loads(phalanx("plan", "demo", *overrides, "--gpu", "mi300x", "--gpus", "4", "--no-trace",
+                                "--json").stdout)
+    chosen = report["chosen"]["layout"]
+    assert {k: chosen[k] for k in expected} == expected
