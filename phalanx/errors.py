@@ -29,8 +29,12 @@ EXIT_CODES = (
              False),
     ExitCode("7", "the run store cannot be reached or refused the request (`phalanx runs`, `dashboard`; training "
                   "itself goes on without the store, with a warning)", True),
-    ExitCode("128 + N", "stopped by signal N (143: SIGTERM from a scheduler, 130: Ctrl-C); the same command "
-                        "resumes", True),
+    ExitCode("8", "the run's final checkpoint could not be saved (a full disk: the message says how much a checkpoint "
+                  "needs); free space and rerun: the same command resumes from the newest saved checkpoint", False),
+    ExitCode("143", "preempted (SIGTERM): checkpoint saved. Every rank finished its step and the job saved a "
+                    "checkpoint there within `safe.preemption_grace_s`; the same command resumes from that step", True),
+    ExitCode("128 + N", "stopped by signal N (130: Ctrl-C); the same command resumes from the newest checkpoint",
+             True),
 )
 
 
@@ -82,6 +86,26 @@ class StoreError(PhalanxError):
     def __init__(self, message: str, transient: bool):
         super().__init__(message)
         self.transient = transient
+
+
+class FinalSaveFailedError(PhalanxError):
+    """Training reached its last step but could not save it (a full disk): the steps since the newest
+    saved checkpoint would be lost on a resume, so the run must not look finished."""
+
+    exit_code = 8
+
+
+class AgentGoneError(PhalanxError):
+    """A rank whose node agent is gone (killed, frozen) stops rather than train on unsupervised; to an
+    agent that still sees it, it is the rank's own failure."""
+
+    exit_code = 1
+
+
+class PreemptedError(PhalanxError):
+    """A rank asked to stop by SIGTERM finished its step and saved a checkpoint there (the trainer)."""
+
+    exit_code = 143
 
 
 class StoppedBySignal(PhalanxError):

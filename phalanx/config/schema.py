@@ -211,6 +211,8 @@ class SafeSection(Section):
     startup_timeout_s: float = Field(600.0, gt=0)
     checkpoint_timeout_s: float = Field(900.0, gt=0)
     eval_timeout_s: float = Field(600.0, gt=0)
+    # On SIGTERM the ranks finish their step and save there; the node agent kills them after this long.
+    preemption_grace_s: float = Field(60.0, gt=0)
     numerics: Literal["rollback", "skip", "none"] = "rollback"  # off is accepted for none
     spike_zscore: float = Field(6.0, gt=0)
     spike_window: int = Field(100, ge=10)
@@ -242,6 +244,9 @@ class ObserveSection(Section):
     metrics_host: str = "127.0.0.1"
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard")
     sync_interval_s: float = Field(1.0, gt=0, description="how often the agent copies new records to the store")
+    # At the end of a launch, how long the store's writer keeps retrying a store that is down so the final
+    # status and every step land (beyond it, `phalanx runs import RUN_DIR` completes the copy).
+    store_retry_s: float = Field(60.0, ge=0)
     # Hardware telemetry from the node agent (RUN_DIR/telemetry.jsonl and /metrics); 0 turns it off.
     telemetry_interval_s: float = Field(5.0, ge=0)
     # Crossing one of these is a telemetry_alert event.

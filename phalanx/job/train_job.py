@@ -17,7 +17,7 @@ import torch
 from phalanx.config.schema import Config
 from phalanx.console import err, say
 from phalanx.data.loader import check_batch_sizes
-from phalanx.errors import PhalanxError, StoppedBySignal
+from phalanx.errors import FinalSaveFailedError, PhalanxError, StoppedBySignal
 from phalanx.job.fresh_run_dir import removed_unless_kept
 from phalanx.launch.local import LaunchSpec, launch
 from phalanx.models.flops import count_params
@@ -34,6 +34,7 @@ from phalanx.run.prepare import prepare_run, start_timeline
 from phalanx.run.records import read_metrics
 from phalanx.run.resolved import resolved
 from phalanx.safe.goodput import run_report
+from phalanx.train.checkpoint_space import free_now, low_space_warning
 from phalanx.train.trainer import check_run
 
 
@@ -79,6 +80,8 @@ def train_job(config: Config, spec: LaunchSpec, progress: bool = True) -> dict[s
                 else None
             args = model_args(config.model, data.vocab_size, config.train.seq_len)
             model = f"{config.model.preset} ({count_params(args) / 1e6:,.1f}M)"
+            if owner and (low := low_space_warning(run.checkpoints, count_params(args))):
+                say(f"warning: {low}")
             world = spec.nproc * spec.node_range()[1]
             say(_starting_line(config, spec, model))
             # The store (and the dashboard) show what the run trains: the preset's shape, the micro batch.
@@ -86,10 +89,22 @@ def train_job(config: Config, spec: LaunchSpec, progress: bool = True) -> dict[s
             with observe_run(shown, spec.node_rank, world, model, started):
                 if not _launch(spec, config, before_restart, run):
                     return None  # global rank 0 ran elsewhere: that node reports
+                _refuse_an_unsaved_end(run)  # inside observe_run: the store records the failure
     summary = json.loads(run.summary.read_text())
     summary.update(run_report(run.path, read_metrics(run.path), started, time.time()))
     run.summary.write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _refuse_an_unsaved_end(run: RunDir) -> None:
+    """A run whose last save failed (a full disk) has trained steps no checkpoint holds: not a success."""
+    failed = json.loads(run.summary.read_text()).get("final_save_failed")
+    if failed:
+        newest = latest_checkpoint(run.checkpoints)
+        resumes = f"step {checkpoint_step(newest)}" if newest else "step 0 (no checkpoint was saved)"
+        raise FinalSaveFailedError(f"the final checkpoint (step {failed['step']}) could not be saved: "
+                                   f"{failed['error']}; {free_now(run.checkpoints)}free space and rerun: the same "
+                                   f"command resumes from {resumes}")
 
 
 def _launch(spec: LaunchSpec, config: Config, before_restart: Any, run: RunDir) -> bool:

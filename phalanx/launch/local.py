@@ -4,14 +4,20 @@ This is what `torchrun` does, with our agent in place of torch's: c10d rendezvou
 for one node; `--rdzv-endpoint` shared by every node otherwise), one process per local rank running
 `python -m phalanx.train.worker`, restarts up to `safe.max_restarts`. The same launcher also runs
 one-shot jobs on every rank (the cluster preflight): see OneShot.
+
+The ranks must not outlive this process (phalanx/safe/rank_guard.py): they get its pid, its heartbeat
+board (where it beats too) and, on the node that owns the run directory, the run lock to hold shared.
+Boards left in /dev/shm by agents that were killed are removed here, at the next launch.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +29,8 @@ from phalanx.errors import PhalanxError, RendezvousFailedError, RestartsExhauste
 from phalanx.run.checkpoints import checkpoint_step, latest_checkpoint
 from phalanx.run.layout import RunDir
 from phalanx.run.records import JsonlEventSink
-from phalanx.safe.heartbeat import ENV_FILE, HeartbeatBoard
+from phalanx.safe.heartbeat import ENV_FILE, HeartbeatBoard, board_path, remove_stale_boards
+from phalanx.safe.rank_guard import ENV_AGENT_PID, ENV_RUN_LOCK
 
 # The c10d rendezvous options a user may set (seconds), as torchrun's --rdzv-conf takes them.
 RDZV_OPTIONS = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval",
@@ -98,7 +105,7 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     out (the job passes the node preflight of `safe.preflight` here)."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
     from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
@@ -131,11 +138,14 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
                              rdzv_handler=handler, max_restarts=max_restarts, monitor_interval=0.1)
     board = None
     if heartbeats:
-        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        fd, path = tempfile.mkstemp(prefix="phalanx-heartbeat-", dir=shm)
-        os.close(fd)
-        board = HeartbeatBoard(Path(path), spec.nproc)
-        os.environ[ENV_FILE] = path
+        shm = Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+        remove_stale_boards(shm)
+        board = HeartbeatBoard(board_path(shm), spec.nproc)
+        os.environ[ENV_FILE] = str(board.path)
+    os.environ[ENV_AGENT_PID] = str(os.getpid())  # the ranks check it is still their parent
+    lock = RunDir(config.run_dir).lock
+    if one_shot is None and spec.node_rank == 0 and lock.is_file():  # node 0's train_job holds the run lock
+        os.environ[ENV_RUN_LOCK] = str(lock)
     root = RunDir(config.run_dir).checkpoints
 
     def newest_step() -> int | None:
@@ -155,6 +165,10 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     if not debug_enabled():  # a handler of its own, so logging's last resort does not print them either
         elastic_log.propagate = False
         elastic_log.addHandler(silence)
+    # torch turns SIGTERM into SignalException once the ranks are started; from here on already, so that a
+    # SIGTERM during the rendezvous also ends in StoppedBySignal (exit 143) rather than in a bare kill.
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous_sigterm = signal.signal(signal.SIGTERM, _terminate_process_handler) if in_main_thread else None
     try:
         result = agent.run()
     except RendezvousError as exc:
@@ -162,9 +176,12 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     except SignalException as exc:  # torch turns SIGTERM/SIGINT/SIGHUP into this after stopping the ranks
         raise StoppedBySignal(exc.sigval) from None
     finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         elastic_log.propagate = propagate
         elastic_log.removeHandler(silence)
-        os.environ.pop(ENV_FILE, None)
+        for name in (ENV_FILE, ENV_AGENT_PID, ENV_RUN_LOCK):
+            os.environ.pop(name, None)
         if board is not None:
             board.close()
         handler.shutdown()

@@ -1,41 +1,59 @@
-"""The node agent's copy of a run's plain files into the run store, Prometheus and TensorBoard.
+"""The copy of a run's plain files into the run store, Prometheus and TensorBoard.
 
 The ranks only append JSON lines (step metrics from rank 0, step timings from every rank, and events;
 the node agents append their hardware samples; phalanx/run/layout.py names the files), which costs them
-microseconds and never waits on a database. A thread in the node agent
-reads what is new every `sync_interval_s` and writes it to the store in one transaction together with
-how far it read each file, so every line lands exactly once, across restarts and later launches. A
-store that is briefly unreachable only delays the copy (the lines wait in memory, /metrics and
-TensorBoard carry on): nothing is lost, training never notices.
+microseconds and never waits on a database. A follower reads what is new every `sync_interval_s` and
+writes it to the store in one transaction together with how far it read each file, so every line lands
+exactly once, across restarts and later launches. The store's follower runs in a process of its own
+(store_writer.py), so a database fault (a SIGBUS from a file sqlite maps) cannot take the node agent
+down; the agent keeps a store-less follower for /metrics and TensorBoard.
+
+A store that is unreachable only delays the copy: the lines wait in memory and are retried with backoff.
+An SQLite file deleted or replaced under the follower (its inode changed, or it is gone) is noticed
+before each write: the follower opens the new file, registers the run again and copies the run's whole
+history from the files, from the offsets the new store holds (none, for a fresh file).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from phalanx.errors import StoreError
 from phalanx.observe.store import RunStore
 from phalanx.run.layout import EVENTS, METRICS, TELEMETRY, RunDir
+from phalanx.run.records import JsonlEventSink
 from phalanx.safe.goodput import account
 
 GOODPUT_EVERY_S = 10.0
 # What goodput accounting needs of each step record; the follower keeps only these for the launch.
 GOODPUT_FIELDS = ("step", "time", "loss", "step_seconds", "eval_seconds", "skipped")
+MAX_BACKOFF_S = 30.0  # the longest wait between tries while the store is down
 
 
 class RunFollower:
     def __init__(self, run_dir: Path, run_name: str, wall_start: float, store: RunStore | None = None,
-                 run_id: int | None = None, interval: float = 1.0, tensorboard: bool = False):
+                 run_id: int | None = None, interval: float = 1.0, tensorboard: bool = False,
+                 connect: Callable[[], tuple[RunStore, int]] | None = None,
+                 on_rebuilt: Callable[[RunStore], None] | None = None):
+        """With `connect` (open the store, register the run, return both) the follower opens the store
+        itself, retrying until it answers, and reopens it when its SQLite file is replaced; then
+        `on_rebuilt` may refill the new store with other runs."""
         self.run_dir, self.run_name, self.wall_start = Path(run_dir), run_name, wall_start
         self.store, self.run_id, self.interval = store, run_id, interval
+        self.connect, self.on_rebuilt = connect, on_rebuilt
         self.offsets: dict[str, int] = store.offsets(run_id) if store is not None and run_id is not None else {}
+        self._identity = _file_identity(store) if store is not None else None
+        self.rebuilds = 0
         self.tensorboard = _tensorboard_writer(self.run_dir) if tensorboard else None
         self.last: dict[str, Any] = {}
         self.ranks: dict[int, dict[str, Any]] = {}
@@ -67,45 +85,132 @@ class RunFollower:
         return report
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.sync()
-                if time.time() - self._goodput_at >= GOODPUT_EVERY_S:
-                    self.goodput()
-            except Exception as exc:  # never let observing take the node agent down
-                self._warn(f"run follower: {type(exc).__name__}: {exc}")
+        delay = self.interval
+        while not self._stop.wait(delay):
+            delay = self.interval if self.pass_once() else min(MAX_BACKOFF_S, max(delay, self.interval) * 2)
+
+    def pass_once(self) -> bool:
+        """One sync (and the goodput now and then); whether everything read is stored. Never raises:
+        observing must not take its process down."""
+        try:
+            stored = self.sync()
+            if stored and time.time() - self._goodput_at >= GOODPUT_EVERY_S:
+                self.goodput()
+            return stored
+        except Exception as exc:
+            self._warn(f"run follower: {type(exc).__name__}: {exc}")
+            return False
+
+    def drain(self, within_s: float, status: str | None = None, error: str | None = None) -> bool:
+        """At the end of a launch: copy what is left, retrying with backoff for up to `within_s` seconds
+        while the store is down, then write the goodput and (with `status`) the run's final status.
+        Whether all of it landed."""
+        deadline, delay = time.monotonic() + within_s, min(self.interval, 1.0)
+        while True:
+            if self.pass_once() and self._finish(status, error):
+                return True
+            if time.monotonic() + delay > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(MAX_BACKOFF_S, delay * 2)
+
+    def _finish(self, status: str | None, error: str | None) -> bool:
+        if self.store is None:
+            return False
+        try:
+            self.goodput(raise_errors=True)
+            if status is not None:
+                self.store.finish_run(self.run_id, status, error)
+            return True
+        except StoreError as exc:
+            self._warn(f"{exc}; will retry")
+            return False
 
     # -- one pass ----------------------------------------------------------------------------------
-    def sync(self) -> None:
+    def sync(self) -> bool:
         """Read every file's new complete lines, update /metrics and TensorBoard, and copy them to the
-        store; lines the store could not take yet wait in memory for the next pass."""
+        store; lines the store could not take yet wait in memory for the next pass. Whether nothing
+        is left waiting (always True without a store)."""
         offsets, new = dict(self.offsets), {}
         for rel in self._files():
             try:
                 new[rel], offsets[rel] = _read_new_lines(self.run_dir / rel, self.offsets.get(rel, 0))
             except OSError as exc:  # a file system hiccup (NFS): try that file again next pass
                 self._warn(f"cannot read {rel}: {exc}")
-        metrics, events, telemetry = new.pop(METRICS, []), new.pop(EVENTS, []), new.pop(TELEMETRY, [])
-        rank_records = [r for records in new.values() for r in records]
+        metrics, rank_records, events, telemetry = _by_kind(new)
+        storing = self.store is not None or self.connect is not None
         with self._lock:
             self.offsets = offsets
             self._update_state(metrics, rank_records, events)
-            for pending, records in zip(self._pending, (metrics, rank_records, events, telemetry)):
-                pending.extend(records)
+            if storing:
+                for pending, records in zip(self._pending, (metrics, rank_records, events, telemetry)):
+                    pending.extend(records)
         if self.tensorboard is not None:
             _write_tensorboard(self.tensorboard, metrics)
-        if self.store is None or not any(self._pending):
-            return
+        if not storing:
+            return True
+        if self.store is not None and self.connect is not None and self._file_replaced():
+            self._rebuild()
+        if self.store is None and not self._attach():
+            return False
+        if not any(self._pending):
+            return True
         try:  # outside the lock: a slow database never holds up a /metrics scrape
             metrics, rank_records, events, telemetry = self._pending
             self.store.ingest(self.run_id, metrics, rank_records, events, offsets, telemetry)
         except StoreError as exc:
             if exc.transient:  # down or locked: keep the lines for the next pass
                 self._warn(f"{exc}; will retry")
-                return
+                return False
             # The database refuses these lines and always will: skip them (the plain files keep them).
             self._warn(f"{exc}; {sum(map(len, self._pending))} records not stored")
         self._pending = ([], [], [], [])
+        return True
+
+    # -- opening, and reopening a replaced store -----------------------------------------------------
+    def _attach(self) -> bool:
+        """Open the store and register the run (through `connect`); what it lacks of the lines read so far
+        becomes pending: all of them for a fresh store, those past its offsets for one that knows the run."""
+        try:
+            store, run_id = self.connect()
+            stored = store.offsets(run_id)
+        except StoreError as exc:
+            self._warn(f"{exc}; will retry")
+            return False
+        new = {}
+        for rel, upto in self.offsets.items():
+            start = stored.get(rel, 0)
+            if start < upto:
+                try:
+                    new[rel] = _read_lines_between(self.run_dir / rel, start, upto)
+                except OSError as exc:
+                    self._warn(f"cannot read {rel}: {exc}")
+        with self._lock:
+            self._pending = _by_kind(new)
+        self.store, self.run_id, self._identity = store, run_id, _file_identity(store)
+        return True
+
+    def _file_replaced(self) -> bool:
+        return self._identity is not None and _file_identity(self.store) != self._identity
+
+    def _rebuild(self) -> None:
+        """The SQLite file was deleted or replaced: drop the old handle (its connections still write to
+        the deleted file) and attach to a new one, copying this run's history again."""
+        path = self.store.engine.url.database
+        self.store.close()
+        self.store, self._identity = None, None
+        self.rebuilds += 1
+        _print_warning(f"the run store {path} was deleted or replaced; rebuilding it from the run directory "
+                       f"{self.run_dir}")
+        if not self._attach():
+            return
+        # Said in the run's events (and so in the new store): its figures before now were copied again.
+        JsonlEventSink(self.run_dir).emit("store_rebuilt", path=str(path))
+        if self.on_rebuilt is not None:
+            try:
+                self.on_rebuilt(self.store)
+            except Exception as exc:  # the other runs are a bonus; this run's copy must go on
+                self._warn(f"rebuilding the other runs of the store: {type(exc).__name__}: {exc}")
 
     def _files(self) -> list[str]:
         return [METRICS, EVENTS, TELEMETRY, *RunDir(self.run_dir).rank_timing_names()]
@@ -128,7 +233,7 @@ class RunFollower:
             if e.get("time", 0) >= self.wall_start:
                 self.launch_events.append(e)
 
-    def goodput(self) -> dict[str, Any] | None:
+    def goodput(self, raise_errors: bool = False) -> dict[str, Any] | None:
         """This launch's goodput so far (written to the store); None before the first step."""
         with self._lock:
             self._goodput_at = time.time()
@@ -140,6 +245,8 @@ class RunFollower:
             try:
                 self.store.set_goodput(self.run_id, report)
             except StoreError as exc:
+                if raise_errors:
+                    raise
                 self._warn(f"{exc}; goodput not stored")
         return report
 
@@ -151,8 +258,46 @@ class RunFollower:
 
     def _warn(self, message: str) -> None:
         if message not in self._warned:  # once each: an outage must not flood the training console
-            Console(stderr=True).print(f"[yellow]warning:[/] {message}")
+            _print_warning(message)
             self._warned.add(message)
+
+
+def _print_warning(message: str) -> None:
+    # One line however long (a log reader greps for it), and no markup read into paths or URLs.
+    Console(stderr=True, soft_wrap=True).print(f"[yellow]warning:[/] {escape(message)}")
+
+
+def _by_kind(new: dict[str, list[dict]]) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+    """Records read per file as (metrics, per-rank timings, events, telemetry)."""
+    new = dict(new)
+    metrics, events, telemetry = new.pop(METRICS, []), new.pop(EVENTS, []), new.pop(TELEMETRY, [])
+    return metrics, [r for records in new.values() for r in records], events, telemetry
+
+
+def _file_identity(store: RunStore) -> tuple[int, int] | None:
+    """(device, inode) of an SQLite store's file ((-1, -1) once it is gone, which equals no file that is
+    there); None for a server database, which has no file to lose."""
+    if store.engine.dialect.name != "sqlite":
+        return None
+    try:
+        st = os.stat(store.engine.url.database)
+    except OSError:
+        return (-1, -1)
+    return st.st_dev, st.st_ino
+
+
+def _read_lines_between(path: Path, start: int, end: int) -> list[dict]:
+    """The JSON records of the complete lines in [start, end) of a file (a span already read once)."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    records = []
+    for line in data.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def _read_new_lines(path: Path, position: int) -> tuple[list[dict], int]:

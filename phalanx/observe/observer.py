@@ -1,6 +1,6 @@
 """What `phalanx train` does to make a run observable: register it in the run store, follow its files
-into the store while it trains, sample the node's hardware, serve the node's /metrics, and record how
-the launch ended."""
+into the store while it trains (in a writer process of its own, store_writer.py), sample the node's
+hardware, serve the node's /metrics, and record how the launch ended."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from typing import Any
 from rich.console import Console
 
 from phalanx.config.schema import Config
-from phalanx.errors import PhalanxError, StoppedBySignal, StoreError
+from phalanx.errors import PhalanxError, StoppedBySignal
 from phalanx.observe.follower import RunFollower
-from phalanx.observe.store import RunStore
+from phalanx.observe.store import RunStore, check_url, store_url
+from phalanx.observe.store_writer import StoreWriter
 from phalanx.run.layout import RunDir
 from phalanx.run.records import JsonlEventSink
 from phalanx.safe.telemetry import TelemetrySampler
@@ -33,23 +34,24 @@ def open_store(config: Config) -> RunStore | None:
 def observe_run(config: Config, node_rank: int, world_size: int, model: str, started: float) -> Iterator[None]:
     """Around a launch. Node 0 registers the run and follows the run directory into the store (a shared
     file system holds every rank's files there; the store learns the other nodes from their ranks'
-    records); every node samples its hardware and may serve its /metrics. The store is a convenience:
-    when it cannot be reached the run trains anyway, with a warning."""
-    store = run_id = None
-    if node_rank == 0:
-        try:
-            store = open_store(config)
-            if store is not None:
-                run_id = store.start_run(config.run.name, config.run_dir, json.loads(config.model_dump_json()),
-                                         model, world_size, config.train.max_steps, socket.gethostname())
-        except StoreError as exc:
-            _warn(f"{exc}; training without the run store")
-            store = None
+    records) from a writer process; every node samples its hardware and may serve its /metrics. The
+    store is a convenience: when it cannot be reached the run trains anyway, with a warning, and the
+    writer keeps retrying."""
+    writer = None
+    if node_rank == 0 and config.observe.store != "none":
+        url = store_url(config.observe.store, config.run.dir)
+        check_url(url)  # a URL that can never work is bad input now, not a warning in the writer
+        writer = StoreWriter({
+            "url": url, "run_dir": str(config.run_dir), "name": config.run.name, "wall_start": started,
+            "interval": config.observe.sync_interval_s, "retry_s": config.observe.store_retry_s,
+            "register": {"config": json.loads(config.model_dump_json()), "model": model, "world_size": world_size,
+                         "max_steps": config.train.max_steps, "node": socket.gethostname()}})
     follower = telemetry = server = None
     status, error = "finished", None
     try:
-        if node_rank == 0:
-            follower = RunFollower(config.run_dir, config.run.name, started, store, run_id,
+        if node_rank == 0 and (config.observe.metrics_port is not None or config.observe.tensorboard):
+            # The agent's own follower only feeds /metrics and TensorBoard: the writer has the store.
+            follower = RunFollower(config.run_dir, config.run.name, started, None, None,
                                    config.observe.sync_interval_s, config.observe.tensorboard).start()
         if config.observe.telemetry_interval_s > 0:
             telemetry = TelemetrySampler(config.run_dir, config.observe, JsonlEventSink(config.run_dir)).start()
@@ -69,12 +71,8 @@ def observe_run(config: Config, node_rank: int, world_size: int, model: str, sta
             telemetry.stop()
         if follower is not None:
             follower.stop()
-        if store is not None:
-            try:
-                store.finish_run(run_id, _final_status(config, status), error)
-            except StoreError as exc:
-                _warn(f"{exc}; the run's final status is not stored")
-            store.close()
+        if writer is not None:
+            writer.finish(_final_status(config, status), error)
 
 
 def _warn(message: str) -> None:
@@ -115,9 +113,11 @@ def _start_metrics_server(config: Config, node_rank: int, follower: RunFollower 
     return server
 
 
-def sync_run_dir(store: RunStore, run_dir: Path) -> int:
+def sync_run_dir(store: RunStore, run_dir: Path) -> tuple[int, bool]:
     """Copy a finished (or stopped) run directory's files into the store: runs trained with the store
-    off, or elsewhere. A run already in the store is left alone; a run still training is refused."""
+    off, or elsewhere, or whose store copy is behind (a store that was down at the end). A run already in
+    the store is brought up to date: the lines past the offsets the store holds are added, its status
+    set from the directory. A run still training is refused. (run id, whether it was there before)."""
     from phalanx.config.loader import load_config
     from phalanx.run.lock import run_lock
     from phalanx.run.resolved import resolved
@@ -126,21 +126,26 @@ def sync_run_dir(store: RunStore, run_dir: Path) -> int:
     run_dir = run.path
     if not run.config.is_file():
         raise PhalanxError(f"{run_dir} is not a run directory (it has no {run.config.name})")
-    known = store.run_id_for_dir(run_dir)
-    if known is not None:
-        raise PhalanxError(f"{run_dir} is already in the store as run {known}")
     with run_lock(run_dir):  # a run still training is refused: its own node agent is copying it
-        config = load_config(str(run.config), [])
-        stored = resolved(config, *_trained_with(run_dir, config))  # as `phalanx train` stores it
-        run_id = store.start_run(run_dir.name, run_dir, json.loads(stored.model_dump_json()), config.model.preset,
-                                 None, config.train.max_steps, socket.gethostname())
+        known = store.run_id_for_dir(run_dir)
+        if known is None:
+            config = load_config(str(run.config), [])
+            stored = resolved(config, *_trained_with(run_dir, config))  # as `phalanx train` stores it
+            run_id = store.start_run(run_dir.name, run_dir, json.loads(stored.model_dump_json()),
+                                     config.model.preset, None, config.train.max_steps, socket.gethostname())
+        else:
+            run_id = known  # registered by its launch: its name, config and nodes stay as that stored them
         RunFollower(run_dir, run_dir.name, time.time(), store, run_id).sync()
         summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
         if "goodput" in summary:  # `phalanx train` adds the launch's goodput report to the summary
             store.set_goodput(run_id, {k: summary.get(k) for k in ("restarts", "faults", "stragglers", "goodput",
                                                                     "ettr")})
-        store.finish_run(run_id, "finished" if summary and not summary.get("halted") else "stopped")
-    return run_id
+        status = "failed" if summary.get("final_save_failed") else \
+            "finished" if summary and not summary.get("halted") else "stopped"
+        # A status its launch stored stays; one the launch could not store (it still says running) is set.
+        if known is None or store.run(run_id)["status"] in ("running", "restarting"):
+            store.finish_run(run_id, status)
+    return run_id, known is not None
 
 
 def _trained_with(run_dir: Path, config) -> tuple[int | None, int | None]:

@@ -129,7 +129,8 @@ def runs_compare(names: list[str] = typer.Argument(..., help="Two or more run na
 @runs_app.command("import")
 def runs_import(run_dirs: list[Path] = typer.Argument(..., help="Run directories to copy into the store."),
                 runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
-    """Copy run directories trained without a store (or elsewhere) into the store.
+    """Copy run directories trained without a store (or elsewhere) into the store; a run already there is
+    brought up to date (the steps and events it lacks, and its status if its launch could not store it).
 
     Example:
     phalanx runs import runs/old-run --json
@@ -140,10 +141,10 @@ def runs_import(run_dirs: list[Path] = typer.Argument(..., help="Run directories
     s = RunStore.open(store, runs)
     imported = []
     for run_dir in run_dirs:
-        run_id = sync_run_dir(s, run_dir)
-        imported.append({"run_dir": str(run_dir), "id": run_id})
+        run_id, known = sync_run_dir(s, run_dir)
+        imported.append({"run_dir": str(run_dir), "id": run_id, "updated": known})
         if not json_out:
-            out.print(f"imported {run_dir} as run {run_id}")
+            out.print(f"brought run {run_id} ({run_dir}) up to date" if known else f"imported {run_dir} as run {run_id}")
     if json_out:
         print(json.dumps({"imported": imported}))
 

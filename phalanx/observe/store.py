@@ -51,6 +51,14 @@ def store_url(spec: str | None, runs_root: Path) -> str:
     return f"sqlite:///{Path(spec).resolve()}"
 
 
+def check_url(url: str) -> None:
+    """A PhalanxError (bad input) for what can never be a database URL; says nothing of reachability."""
+    try:
+        sa.engine.make_url(url)
+    except Exception:
+        raise PhalanxError(f"not a database URL: {url!r} (e.g. postgresql+psycopg://user@host/db)") from None
+
+
 def redact(url: str) -> str:
     """The URL without its password, for messages (the one rule of redaction.py)."""
     return redact_url(url)
@@ -60,10 +68,8 @@ class RunStore:
     def __init__(self, url: str, create: bool = True):
         """Open (and migrate) the store at `url`. With create=False a missing SQLite file is an error."""
         self.url = url
-        try:
-            parsed = sa.engine.make_url(url)
-        except Exception:
-            raise PhalanxError(f"not a database URL: {url!r} (e.g. postgresql+psycopg://user@host/db)") from None
+        check_url(url)
+        parsed = sa.engine.make_url(url)
         if parsed.get_backend_name() == "sqlite":
             path = Path(parsed.database or "")
             if not create and not path.is_file():

@@ -28,13 +28,15 @@ def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bo
             block.compile()
 
 
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+def wrap_ddp(model: nn.Module, device: torch.device, process_group=None) -> nn.Module:
+    """DDP over `process_group` (default: every rank; context parallelism passes its replicas x cp)."""
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [device.index] if device.type == "cuda" else None
     # No buffer broadcast: the model's only buffers are RoPE tables derived from its shape, and the
     # broadcast would put a collective into every forward.
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False,
+                                   process_group=process_group)
 
 
 def parallelize(model: nn.Module, strategy: str, env: DistEnv, *, activation_checkpointing: bool,

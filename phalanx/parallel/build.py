@@ -9,15 +9,20 @@ from torch import nn
 
 from phalanx.models.llama import ModelArgs, Transformer
 from phalanx.parallel.apply import wrap_blocks, wrap_ddp
+from phalanx.parallel.context_parallel import apply_context_parallel, context_split, gradient_mesh
 from phalanx.parallel.float8 import apply_float8, check_float8
 from phalanx.parallel.materialize import materialize
 from phalanx.parallel.mesh import Layout
+from phalanx.parallel.pipeline import split_model
 from phalanx.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def build_parallel_model(args: ModelArgs, layout: Layout, mesh, device: torch.device, *, seed: int,
                          activation_checkpointing: bool, compile: bool, dtype: torch.dtype,
-                         float8: bool = False) -> nn.Module:
+                         float8: bool = False, pp_schedule: str = "1f1b") -> nn.Module:
+    """The model this rank trains. Under pipeline parallelism (layout.pp > 1) it is a PipelinedModel:
+    this rank's stages (parallel/pipeline.py), split after TP and activation checkpointing, each sharded
+    (FSDP) and materialised on its own, under the whole model's parameter names."""
     with torch.device("meta"):
         model = Transformer(args)
     rules = model.init_rules()
@@ -26,24 +31,40 @@ def build_parallel_model(args: ModelArgs, layout: Layout, mesh, device: torch.de
         apply_float8(model)  # parameter names stay: the init rules and checkpoints still match
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    if layout.cp > 1:  # each rank holds a slice of every sequence; attention runs round the cp ring
+        apply_context_parallel(model, context_split(layout, mesh))
     wrap_blocks(model, activation_checkpointing=activation_checkpointing, compile=compile)
+    if layout.pp > 1:
+        pipelined = split_model(model, mesh["pp"].get_local_rank(), layout.pp, pp_schedule, layout.tp)
+        for stage in pipelined.stages:  # each stage is an FSDP root of its own: the pipeline drives each
+            if uses_fsdp(layout):
+                _shard(stage, stage.layers.values(), layout, mesh, dtype)
+            materialize(stage, rules, device, seed, init_buffers=stage.init_rope)
+        return pipelined
     if uses_fsdp(layout):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # FSDP casts parameters itself, so the trainer skips autocast under FSDP; gradients reduce in fp32.
-        # Two data-parallel dimensions make it HSDP: shards within dp_shard, replicas across dp_replicate.
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in model.layers:
-            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        _shard(model, model.layers, layout, mesh, dtype)
     materialize(model, rules, device, seed, init_buffers=model.init_rope)
-    if layout.dp_replicate > 1 and not uses_fsdp(layout):
-        model = wrap_ddp(model, device)
+    if layout.dp_replicate * layout.cp > 1 and not uses_fsdp(layout):
+        model = wrap_ddp(model, device, gradient_mesh(mesh, layout, sharded=False).get_group())
     return model
+
+
+def _shard(root: nn.Module, blocks, layout: Layout, mesh, dtype: torch.dtype) -> None:
+    """FSDP2 over each block, then the root (the model, or a pipeline stage)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # FSDP casts parameters itself, so the trainer skips autocast under FSDP; gradients reduce in fp32.
+    # Two data-parallel dimensions make it HSDP: shards within dp_shard, replicas across dp_replicate.
+    # Parameters are replicated over cp too, so cp ranks join the shard groups (dp_shard x cp).
+    dp_mesh = gradient_mesh(mesh, layout, sharded=True)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(root, mesh=dp_mesh, mp_policy=policy)
 
 
 def uses_fsdp(layout: Layout) -> bool:
     """FSDP2 carries data parallelism whenever parameters are sharded: by dp_shard, or by TP (DDP cannot
-    wrap DTensor parameters, so TP with replicas is HSDP with shard groups of one)."""
-    return layout.dp_shard > 1 or (layout.tp > 1 and layout.dp > 1)
+    wrap DTensor parameters, so TP with replicas is HSDP with shard groups of one); and under pipeline
+    parallelism, whose stages torch's pipelining drives as FSDP modules (replicas: shard groups of one)."""
+    return layout.dp_shard > 1 or ((layout.tp > 1 or layout.pp > 1) and layout.dp * layout.cp > 1)

@@ -7,6 +7,9 @@ This subclass adds what it lacks:
     Python stack dumped (with every other local rank's), then the group is failed and restarted;
   - crash loops: restarts that never get past the newest checkpoint stop the run (exit code 3);
   - a bad-input exit (code 2) of any rank stops the run at once: restarting cannot fix a config;
+  - preemption: on SIGTERM the ranks are given `safe.preemption_grace_s` to finish their step and save
+    (phalanx/safe/preemption.py) before they are killed; every other stop (a restart, a failed run) kills
+    them at once, since a rank takes SIGTERM to mean "save first";
   - every attempt, failure, hang and restart is an event in RUN_DIR/events.jsonl.
 """
 
@@ -14,15 +17,17 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
 
 from phalanx.config.schema import SafeSection
 from phalanx.console import say
-from phalanx.errors import CrashLoopError, PhalanxError
+from phalanx.errors import CrashLoopError, PhalanxError, PreemptedError, StoppedBySignal
 from phalanx.run.layout import RunDir
 from phalanx.run.records import EventSink
 from phalanx.safe.heartbeat import HeartbeatBoard
@@ -50,9 +55,81 @@ class PhalanxAgent(LocalElasticAgent):
         self._failed = False
         self._check_node = False
         self._attempt_start_step = newest_checkpoint_step()
+        self._stopped_by: int | None = None  # the signal that stopped the agent (SIGTERM: a preemption)
+        self._sigterm_pending = False
+        self._stopped_ranks: set[int] = set()  # local ranks the agent killed after a peer failed
+
+    # -- stopping -----------------------------------------------------------------------------------
+    def _invoke_run(self, role):
+        try:
+            return super()._invoke_run(role)
+        except SignalException as exc:  # torch then stops the ranks through _shutdown, with this signal
+            self._stopped_by = exc.sigval
+            raise
+
+    def _start_workers(self, worker_group: WorkerGroup):
+        result = super()._start_workers(worker_group)
+        # torch stops the other ranks itself as soon as one fails (PContext.close() with its default,
+        # SIGTERM, and up to 30 s for them to exit). A phalanx rank takes SIGTERM to mean "finish the step
+        # and save", which the survivors of a failure cannot do: their collectives wait on the dead peer.
+        # So a stop torch does not name a signal for is a SIGKILL, as fast as SIGTERM's default once was.
+        pcontext = self._pcontext
+        self._stopped_ranks = set()
+        if pcontext is not None:
+            close = pcontext.close
+
+            def close_the_rest(death_sig=None, timeout=30):
+                if death_sig is None:  # torch's stop after a failure: who is still running is a consequence
+                    running = pcontext.subprocess_handlers.items()
+                    self._stopped_ranks = {r for r, h in running if h.proc.poll() is None}
+                close(death_sig or signal.SIGKILL, timeout)
+
+            pcontext.close = close_the_rest
+        # torch's SIGTERM handler (installed as the ranks start) raises its SignalException wherever the
+        # main thread is, and a library call of the monitoring loop that catches Exception can swallow it:
+        # in drills, one SIGTERM in a handful was lost and the run trained on to its end. With the ranks
+        # running, the handler only notes the signal and the next monitoring tick raises it.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._note_sigterm)
+        return result
+
+    def _note_sigterm(self, signum, frame) -> None:
+        self._sigterm_pending = True
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if self._stopped_by == signal.SIGTERM and self._pcontext is not None:
+            self._stop_preempted()
+            return
+        if death_sig == signal.SIGTERM:  # a restart or a failed run: a SIGTERM would make the ranks save first
+            death_sig = signal.SIGKILL
+        super()._shutdown(death_sig, timeout)
+
+    def _stop_preempted(self) -> None:
+        """SIGTERM to the ranks, then up to the grace period for them to finish the step and save."""
+        grace = self.safe.preemption_grace_s
+        # A second SIGTERM (Slurm signals every process of the step, then may repeat) must not cut the
+        # wait short: this agent leaving would take its saving ranks down with it (parent-death signal).
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        say(f"SIGTERM: the ranks finish their step and save a checkpoint (grace {grace:g} s)")
+        t0 = time.monotonic()
+        try:
+            super()._shutdown(signal.SIGTERM, timeout=grace)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        handlers = getattr(self._pcontext, "subprocess_handlers", {})
+        codes = [h.proc.poll() for h in handlers.values()]
+        if any(code != PreemptedError.exit_code for code in codes):  # killed (or not even reaped yet)
+            say(f"the ranks did not stop within safe.preemption_grace_s={grace:g} s and were killed; "
+                "the run resumes from its newest checkpoint")
+        self.events.emit("preemption_stop", attempt=self.attempt, seconds=round(time.monotonic() - t0, 3),
+                         exitcodes=codes)
 
     # -- attempts ---------------------------------------------------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        if self._sigterm_pending:  # noted while the old ranks were stopped: nothing to restart for
+            raise SignalException(f"Process {os.getpid()} got signal: SIGTERM", sigval=signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread():  # no ranks yet: SIGTERM may raise at once
+            signal.signal(signal.SIGTERM, _terminate_process_handler)
         if self._notice:
             say(self._notice)
             self._notice = None
@@ -84,6 +161,9 @@ class PhalanxAgent(LocalElasticAgent):
 
     # -- monitoring -------------------------------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._sigterm_pending:
+            self._sigterm_pending = False
+            raise SignalException(f"Process {os.getpid()} got signal: SIGTERM", sigval=signal.SIGTERM)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED:
             self._on_crash(result)
@@ -102,6 +182,11 @@ class PhalanxAgent(LocalElasticAgent):
         for rank, failure in result.failures.items():
             if failure.exitcode == PhalanxError.exit_code:  # bad input: the rank printed why
                 raise PhalanxError(f"rank {rank} stopped on bad input (its message is above)")
+        if any(f.exitcode == PreemptedError.exit_code for f in result.failures.values()):
+            # Ranks sent SIGTERM without this agent (a `kill` of one rank): they agreed to stop and saved.
+            # Not a failure to restart from: the job stops as preempted, once the others are done too.
+            self._stopped_by = signal.SIGTERM
+            raise StoppedBySignal(signal.SIGTERM)
         beats = {b.local_rank: b for b in self.board.read()} if self.board is not None else {}
         now = time.monotonic()
         ranks = []
@@ -109,11 +194,15 @@ class PhalanxAgent(LocalElasticAgent):
             beat = beats.get(failure.local_rank)
             ranks.append({"rank": rank, "exitcode": failure.exitcode, "step": beat.step if beat else None,
                           "phase": beat.phase if beat else None,
-                          "stalled_for": now - beat.time if beat and beat.time else None})
+                          "stalled_for": now - beat.time if beat and beat.time else None,
+                          "stopped": failure.local_rank in self._stopped_ranks})
         # A rank killed by a signal is the likelier cause; peers then fail on broken connections, and
-        # those torch stopped itself (SIGTERM) are consequences. Then the one silent longest.
-        cause = max(ranks, key=lambda r: (r["exitcode"] < 0 and r["exitcode"] != -signal.SIGTERM,
+        # those the agent stopped itself (SIGKILL once a peer failed) are consequences. Then the one
+        # silent longest.
+        cause = max(ranks, key=lambda r: (r["exitcode"] < 0 and r["exitcode"] != -signal.SIGTERM and not r["stopped"],
                                           r["stalled_for"] or 0.0))
+        for r in ranks:
+            del r["stopped"]
         self.events.emit("worker_failed", rank=cause["rank"], attempt=self.attempt, exitcode=cause["exitcode"],
                          step=cause["step"], phase=cause["phase"], stalled_for=cause["stalled_for"], ranks=ranks)
         self.last_failure = f"rank {cause['rank']} exited with code {cause['exitcode']}" + (

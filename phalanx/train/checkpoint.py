@@ -2,7 +2,8 @@
 
 A save is written under a hidden temporary name and renamed once every rank has finished, so a partial
 save never looks like a checkpoint; only the newest `keep` are kept. A save that fails (disk full, I/O
-error) is reported to the caller and leaves nothing behind. The layout of a checkpoint, and everything
+error) is reported to the caller and leaves nothing behind; a full disk is said as such, with the size a
+checkpoint needs (checkpoint_space.py). The layout of a checkpoint, and everything
 that only reads one (listing, verifying against the manifest, model weights alone), is
 phalanx/run/checkpoints.py's.
 """
@@ -10,6 +11,7 @@ phalanx/run/checkpoints.py's.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from concurrent.futures import Future
@@ -22,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from phalanx.errors import CheckpointLoadError
 from phalanx.parallel.distributed import DistEnv
@@ -36,7 +38,24 @@ from phalanx.run.checkpoints import (
     write_trainer_state,
 )
 from phalanx.run.layout import TRAINER_STATE, step_dir_name
-from phalanx.run.safe_dcp import UnsafeCheckpointError, safe_load
+from phalanx.run.safe_dcp import METADATA_FILE, UnsafeCheckpointError, read_metadata_file, safe_load
+from phalanx.train.checkpoint_space import disk_full_line, is_disk_full, needed_bytes, state_dict_bytes
+
+
+# The optimizer's hyperparameters are stored per parameter name ("param_groups.<fqn>.lr"), not as each
+# rank's list of groups: pipeline stages hold different parameters, and DCP keeps one rank's copy of a
+# non-tensor item, so per-rank group lists would lose the other stages' parameters on a reshard.
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Checkpoints written before that kept the groups as a list ("optim.param_groups.0.lr"); they still load,
+# in the layout they were written for (no pipeline).
+_LISTED_GROUPS = re.compile(r"optim\.param_groups\.\d+\.")
+
+
+def state_dict_options(path: Path) -> StateDictOptions:
+    """How the optimizer state in checkpoint `path` is laid out: flattened by name, or the older lists."""
+    keys = read_metadata_file(path / METADATA_FILE).state_dict_metadata
+    listed = any(_LISTED_GROUPS.match(key) for key in keys)
+    return StateDictOptions(flatten_optimizer_state_dict=not listed)
 
 
 @dataclass
@@ -70,6 +89,7 @@ class Checkpointer:
     def __init__(self, root: Path, keep: int, env: DistEnv, asynchronous: bool = False):
         self.root, self.keep, self.env, self.asynchronous = root, keep, env, asynchronous
         self.pending: _Pending | None = None
+        self._state_bytes: int | None = None  # of the last state saved: a checkpoint's size before the first
         # DCP plans an async save with collectives from its writer thread: they get a group of their own,
         # so they never interleave with the training's collectives on the default group.
         self._group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
@@ -88,10 +108,11 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died half-way
                 tmp.mkdir(parents=True)
             except OSError as exc:
-                error = f"cannot create {tmp}: {exc.strerror}"
+                error = self._error_line(exc, f"cannot create {tmp}: {exc.strerror}")
         if (error := _agree(error)) is not None:
             return error
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+        self._state_bytes = state_dict_bytes(model_sd, optim_sd)
         future = None
         try:
             torch.save(_rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
@@ -101,7 +122,7 @@ class Checkpointer:
             else:
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, storage_writer=storage_writer)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            error = dcp_error_line(exc)
+            error = self._error_line(exc, dcp_error_line(exc))
         if (error := _agree(error)) is not None:
             self._discard(tmp)
             return error
@@ -123,7 +144,7 @@ class Checkpointer:
             try:
                 pending.future.result()
             except (Exception, CheckpointException) as exc:
-                error = dcp_error_line(exc)
+                error = self._error_line(exc, dcp_error_line(exc))
         self.pending = None
         if (error := _agree(error)) is None:
             error = self._publish(pending)
@@ -136,7 +157,7 @@ class Checkpointer:
         try:
             files = hash_files(pending.tmp, self.env)
         except OSError as exc:
-            files, error = {}, f"cannot read back {pending.tmp}: {exc.strerror}"
+            files, error = {}, self._error_line(exc, f"cannot read back {pending.tmp}: {exc.strerror}")
         else:
             error = None
         error = _agree(error)
@@ -149,10 +170,17 @@ class Checkpointer:
                 for old in list_checkpoints(self.root)[: -self.keep]:
                     shutil.rmtree(old, ignore_errors=True)
             except OSError as exc:
-                error = f"cannot publish {pending.final}: {exc.strerror}"
+                error = self._error_line(exc, f"cannot publish {pending.final}: {exc.strerror}")
         if (error := _agree(error)) is not None:
             self._discard(pending.tmp)
         return error
+
+    def _error_line(self, exc: BaseException, line: str) -> str:
+        """`line`, or for a full disk (before the partial save is discarded and frees it) that it is full
+        and how much a checkpoint needs."""
+        if is_disk_full(exc, self.root):
+            return disk_full_line(self.root, needed_bytes(self.root, state_bytes=self._state_bytes))
+        return line
 
     def _discard(self, tmp: Path) -> None:
         if self.env.is_main:
@@ -166,14 +194,15 @@ class Checkpointer:
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state = read_trainer_state(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        options = state_dict_options(path)  # also refuses crafted metadata before DCP reads anything
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         try:
             safe_load({"model": model_sd, "optim": optim_sd}, path)
         except UnsafeCheckpointError:
             raise  # bad input (exit 2): restarting cannot make it safe
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
             raise CheckpointLoadError(f"cannot load checkpoint {path}: {dcp_error_line(exc)}") from exc
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
         rng_file = path / f"rng_rank{self.env.rank}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than saved: fresh seeds then
             _set_rng_state(torch.load(rng_file, weights_only=True), self.env.device)

@@ -17,23 +17,31 @@ from phalanx.parallel.distributed import DistEnv, all_reduce_sum
 
 class Evaluator:
     def __init__(self, dataset: TokenDataset, train: TrainSection, env: DistEnv,
-                 autocast: Callable[[], AbstractContextManager]):
+                 autocast: Callable[[], AbstractContextManager], pipeline=None,
+                 shard: Callable[[torch.Tensor], torch.Tensor] = lambda tokens: tokens):
+        """`pipeline` (parallel/pipeline.py's Pipeline) runs the forwards through the pipeline stages;
+        `shard` keeps this rank's tokens of each sequence (context parallelism; token counts stay exact)."""
         # The same windows on any rank count (train.eval_windows), in forwards of a training micro batch.
         micro = train.micro_batch(env.dp_world)
-        self.batches = [(x.to(env.device), y.to(env.device)) for x, y in val_batches(
+        self.batches = [(shard(x.to(env.device)), shard(y.to(env.device))) for x, y in val_batches(
             dataset, train.seq_len, micro, math.ceil(train.eval_windows / micro), env.dp_rank, env.dp_world)]
         # Ranks may hold unequal numbers of batches, yet all must run the same number of forwards: FSDP
         # all-gathers parameters inside each one. Ranks short of batches run a throw-away forward.
         windows = min(len(dataset), train.eval_windows)
         self.forwards = math.ceil(math.ceil(windows / micro) / env.dp_world)
-        self.dummy = torch.zeros(1, train.seq_len, dtype=torch.long, device=env.device)
-        self.device, self.autocast = env.device, autocast
+        # A pipeline splits every forward into its micro-batches: the throw-away one needs as many rows.
+        rows = pipeline.n_microbatches if pipeline is not None else 1
+        self.dummy = shard(torch.zeros(rows, train.seq_len, dtype=torch.long, device=env.device))
+        self.device, self.autocast, self.pipeline = env.device, autocast, pipeline
 
     @torch.no_grad()
     def loss(self, model: nn.Module) -> float:
         model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
         for i in range(self.forwards):
+            if self.pipeline is not None:
+                self._pipeline_forward(i, sums)
+                continue
             with self.autocast():
                 if i >= len(self.batches):
                     model(self.dummy)
@@ -45,3 +53,12 @@ class Evaluator:
         model.train()
         loss_sum, count = all_reduce_sum(sums).tolist()
         return loss_sum / count
+
+    def _pipeline_forward(self, i: int, sums: torch.Tensor) -> None:
+        """Forward i through the stages; only last-stage ranks see the loss, so only they count tokens."""
+        inputs, targets = self.batches[i] if i < len(self.batches) else (self.dummy, self.dummy)
+        with self.autocast():
+            loss_sum = self.pipeline.eval_sum(inputs, targets)
+        if i < len(self.batches) and self.pipeline.has_last:
+            sums[0] += loss_sum
+            sums[1] += targets.numel()

@@ -24,14 +24,16 @@ import torch.nn.functional as F
 from phalanx.config.schema import Config
 from phalanx.data.loader import BatchLoader, TokenDataset, check_batch_sizes
 from phalanx.data.prepare import PreparedData
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, PreemptedError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
 from phalanx.parallel.apply import gradient_sync
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
+from phalanx.parallel.context_parallel import check_cp, context_split
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib
 from phalanx.parallel.distributed import DistEnv, all_reduce_sum, init_distributed, teardown
 from phalanx.parallel.mesh import build_mesh, dp_coordinate, resolve_layout
+from phalanx.parallel.pipeline import Pipeline, check_pipeline, microbatches
 from phalanx.parallel.tensor_parallel import check_tp
 from phalanx.run.checkpoints import (
     check_model_shape,
@@ -49,6 +51,7 @@ from phalanx.run.safe_dcp import check_metadata
 from phalanx.safe.heartbeat import Heartbeat
 from phalanx.safe.inject import FaultInjector
 from phalanx.safe.numerics import NumericsGuard
+from phalanx.safe.preemption import PREEMPTION
 from phalanx.safe.stacks import register_stack_dump
 from phalanx.safe.stragglers import ComputeClock, StragglerDetector
 from phalanx.train.checkpoint import Checkpointer, SaveOutcome, verify_in_parallel
@@ -67,6 +70,9 @@ def train(config: Config, attempt: int = 0) -> dict[str, Any]:
         summary = Trainer(config, env).run()
         clean = True
         return summary
+    except PreemptedError:
+        clean = True  # every rank stopped after the same step: the closing barrier meets them all
+        raise
     finally:
         teardown(clean)
         stacks.close()
@@ -90,13 +96,24 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.layout = resolve_layout(config.parallel, env.world_size)
         mesh = build_mesh(self.layout, env.device.type)
+        self.split = context_split(self.layout, mesh)  # cp: this rank's share of every sequence
         dp_rank, dp_world = dp_coordinate(mesh, self.layout)  # tensor-parallel ranks share one: same batches
         self.env = env = dataclasses.replace(env, dp_rank=dp_rank, dp_world=dp_world)
+        if self.layout.pp > 1:  # before the build: a refusal is one line, not a traceback from inside it
+            check_pipeline(self.args, config.parallel, tc.micro_batch(env.dp_world))
         dtype = compute_dtype(tc.dtype, env.device)
         # Built on the meta device and materialised shard by shard: the same weights under any layout.
         self.model = build_parallel_model(self.args, self.layout, mesh, env.device, seed=tc.seed,
                                           activation_checkpointing=tc.activation_checkpointing, compile=tc.compile,
-                                          dtype=dtype, float8=tc.dtype == "float8")
+                                          dtype=dtype, float8=tc.dtype == "float8",
+                                          pp_schedule=config.parallel.pp_schedule)
+        # Pipeline parallelism: the schedule runs this rank's stages; losses live on the last stage.
+        self.pipeline, self.pp_group = None, None
+        if self.layout.pp > 1:
+            self.pp_group = mesh["pp"].get_group()
+            self.pipeline = Pipeline(self.model, config.parallel.pp_schedule,
+                                     microbatches(self.layout.pp, config.parallel.pp_microbatches), self.pp_group,
+                                     env.device)
         # Under FSDP the mixed-precision policy casts parameters; elsewhere autocast does.
         use_autocast = dtype != torch.float32 and not uses_fsdp(self.layout)
         self.autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
@@ -107,7 +124,8 @@ class Trainer:
         self.loader = BatchLoader(TokenDataset(data.train_shards, tc.seq_len), tc.seq_len, tc.global_batch_size,
                                   tc.micro_batch(env.dp_world), env.dp_rank, env.dp_world, tc.seed,
                                   pin_memory=env.device.type == "cuda")
-        self.evaluator = Evaluator(TokenDataset(data.val_shards, tc.seq_len), tc, env, self.autocast)
+        self.evaluator = Evaluator(TokenDataset(data.val_shards, tc.seq_len), tc, env, self.autocast,
+                                   pipeline=self.pipeline, shard=self.split.shard)
         self.checkpointer = Checkpointer(run.checkpoints, config.checkpoint.keep, env,
                                          asynchronous=config.checkpoint.async_save)
         self.guard = NumericsGuard(self.safe.spike_zscore, self.safe.spike_window)
@@ -125,6 +143,7 @@ class Trainer:
         self.node = socket.gethostname()
         self.state: dict[str, Any] = {}
         self.last_checkpoint: str | None = None
+        self.final_save_failed: dict[str, Any] | None = None  # the job exits 8 on it (train_job)
         self.rolled_back_at: set[int] = set()
 
     # -- the run ----------------------------------------------------------------------------------
@@ -141,6 +160,7 @@ class Trainer:
         end_step = tc.halt_at_step or tc.max_steps
         timed_steps, timed_seconds = 0, 0.0
         self._emit("training_started", step=step)
+        PREEMPTION.training = True  # from here a SIGTERM stops the ranks at a step boundary, with a save
         with self.progress:
             while step < end_step:
                 step += 1
@@ -169,6 +189,8 @@ class Trainer:
                     self._save(step, final=step == end_step)
                 else:
                     self._report_save(self.checkpointer.finish(wait=False))  # publish an async save once written
+                if self.state.get("stop_requested"):  # agreed in the step's all-reduce: all ranks stop here
+                    self._stop_preempted(step)
         self.heartbeat.beat("done", step)
         self.sink.close()
         self.rank_sink.close()
@@ -185,7 +207,10 @@ class Trainer:
         with self.clock.measure(host=True):
             micro_batches = self.loader.next_batch()
         data_seconds = time.perf_counter() - t_data
-        loss_sum = torch.zeros((), device=self.env.device)
+        loss_sum, parts = torch.zeros((), device=self.env.device), len(micro_batches)
+        if self.pipeline is not None:  # the schedule runs the step's micro-batches itself: no loop below
+            loss_sum, parts = self._pipeline_step(step, micro_batches), self.pipeline.n_microbatches
+            micro_batches = []
         for i, (inputs, targets) in enumerate(micro_batches):
             self.heartbeat.beat("forward")
             with gradient_sync(self.model, enabled=i == len(micro_batches) - 1):
@@ -194,6 +219,7 @@ class Trainer:
                         self.faults.in_forward(step)
                     inputs = inputs.to(self.env.device, non_blocking=True)
                     targets = targets.to(self.env.device, non_blocking=True)
+                    inputs, targets = self.split.shard(inputs), self.split.shard(targets)
                     with self.autocast():
                         logits = self.model(inputs)
                         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -203,10 +229,15 @@ class Trainer:
                 (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
         self.heartbeat.beat("collective")
-        grad_norm = clip_gradients(self.params, self.tc.grad_clip)
+        grad_norm = clip_gradients(self.params, self.tc.grad_clip, pp_group=self.pp_group)
         # One small all-reduce and one host sync per step: the loss and grad norm the guard needs.
-        loss_sum = all_reduce_sum(loss_sum) / (len(micro_batches) * self.env.world_size)
-        train_loss, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum)]).tolist()
+        # Under pp only the last stage's ranks (world / pp of them) hold a loss; the others add zero.
+        # The preemption flags ride along (their sum is above 0 if any rank got a SIGTERM): no collective
+        # of their own.
+        reduced = all_reduce_sum(torch.stack([loss_sum, torch.tensor(PREEMPTION.requested, device=loss_sum.device)]))
+        loss_sum = reduced[0] / (parts * self.env.world_size // self.layout.pp)
+        train_loss, grad_norm, stops = torch.stack([loss_sum, grad_norm.to(loss_sum), reduced[1]]).tolist()
+        self.state["stop_requested"] = stops > 0
         compute = self.clock.seconds()  # after the sync above: the GPU timing events are complete
         self.stragglers.record(compute)
 
@@ -225,6 +256,17 @@ class Trainer:
         return {"step": step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm, "compute_seconds": compute,
                 "data_seconds": data_seconds,
                 **({"skipped": anomaly} if anomaly else {})}
+
+    def _pipeline_step(self, step: int, micro_batches) -> torch.Tensor:
+        """Forward and backward of the step's whole share through the pipeline (which splits it into
+        parallel.pp_microbatches micro-batches); the sum of their mean losses on the last stage, else 0."""
+        self.heartbeat.beat("forward")
+        inputs = torch.cat([x for x, _ in micro_batches]).to(self.env.device, non_blocking=True)
+        targets = torch.cat([y for _, y in micro_batches]).to(self.env.device, non_blocking=True)
+        with self.clock.measure():
+            self.faults.in_forward(step)
+            with self.autocast():
+                return self.pipeline.train_step(inputs, targets, poison=self.faults.nan_loss(step))
 
     # -- evaluation, checkpoints, recovery -----------------------------------------------------------
     def _evaluate(self, step: int) -> dict[str, Any]:
@@ -259,6 +301,31 @@ class Trainer:
                 outcome = SaveOutcome(step, error, time.perf_counter() - t0, time.perf_counter() - t0)
             if self._report_save(outcome, retry=tries == 0 and final):
                 return
+        if final:
+            self.final_save_failed = {"step": step, "error": outcome.result}
+
+    def _stop_preempted(self, step: int) -> None:
+        """SIGTERM: every rank has finished `step`; save it (unless its interval save already did), say
+        how long that took, and stop with exit 143. The node agent kills the ranks after
+        safe.preemption_grace_s, so a save slower than that is lost and the run resumes from an older one."""
+        t0 = time.perf_counter()
+        self._report_save(self.checkpointer.finish(wait=True))  # an async save still being written
+        if self.last_checkpoint is None or Path(self.last_checkpoint).name != step_dir_name(step):
+            self._save(step, final=True)  # synchronous, with the final save's one retry
+        seconds = time.perf_counter() - t0
+        saved = self.last_checkpoint is not None and Path(self.last_checkpoint).name == step_dir_name(step)
+        self._emit("preempted", step=step, saved=saved, save_seconds=seconds, path=self.last_checkpoint,
+                   grace_s=self.safe.preemption_grace_s)
+        if saved:
+            self.progress.log(f"SIGTERM: stopped after step {step}; checkpoint saved in {seconds:.1f} s "
+                              f"(grace {self.safe.preemption_grace_s:g} s): {self.last_checkpoint}")
+        else:
+            self.progress.log(f"SIGTERM: stopped after step {step}, but its checkpoint could not be saved; "
+                              f"the run resumes from {self.last_checkpoint or 'step 0'}")
+        self.heartbeat.beat("done", step)
+        self.sink.close()
+        self.rank_sink.close()
+        raise PreemptedError(f"preempted after step {step}")
 
     def _report_save(self, outcome: SaveOutcome | None, retry: bool = False) -> bool:
         """An event (and a console line if it failed) for a finished save; whether it succeeded."""
@@ -332,6 +399,7 @@ class Trainer:
             "val_loss_start": self.state.get("val_loss_start"), "val_loss_final": self.state.get("val_loss"),
             "train_loss_final": self.state.get("train_loss"), "tokens_per_sec": tps, **self._device_rates(tps),
             "last_checkpoint": self.last_checkpoint, "wall_seconds": time.perf_counter() - self.started,
+            **({"final_save_failed": self.final_save_failed} if self.final_save_failed else {}),
             "halted": self.tc.halt_at_step is not None and steps_done < self.tc.max_steps,
         }
         summary = json_safe(summary)
@@ -401,9 +469,9 @@ def check_run(config: Config, data: PreparedData) -> Path | None:
     shape = model_args(config.model, data.vocab_size, config.train.seq_len)
     if config.parallel.tp > 1:
         check_tp(shape, config.parallel.tp)
-    for key in ("pp", "cp"):  # the keys exist so layouts can be planned; training with them comes next
-        if getattr(config.parallel, key) > 1:
-            raise PhalanxError(f"parallel.{key} > 1 is not supported by the trainer yet")
+    if config.parallel.pp > 1:  # a set micro-batch size does not depend on the ranks: checked here too
+        check_pipeline(shape, config.parallel, config.train.micro_batch_size)
+    check_cp(config.parallel.cp, config.train.seq_len, config.train.compile)
     args = dataclasses.asdict(shape)
     TokenDataset(data.train_shards, config.train.seq_len, "the training split")
     TokenDataset(data.val_shards, config.train.seq_len, "the validation split")

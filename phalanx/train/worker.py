@@ -2,6 +2,9 @@
 
 The launching `phalanx train` has already validated the config, prepared the data and saved the
 resolved config in the run directory; each rank only reads it.
+
+The rank guard comes first, before torch is imported (seconds): a rank must die with its node agent and
+hold its share of the run lock from its first moment, and a SIGTERM while it starts must stop it at once.
 """
 
 from __future__ import annotations
@@ -12,9 +15,8 @@ import signal
 import sys
 import warnings
 
-from phalanx.config.loader import load_config
-from phalanx.errors import PhalanxError
-from phalanx.train.trainer import attempt_number, train
+from phalanx.errors import PhalanxError, PreemptedError
+from phalanx.safe.rank_guard import guard_rank
 
 # `phalanx --debug` sets this for the whole job; then torch's own warnings and log lines are shown too.
 DEBUG_ENV = "PHALANX_DEBUG"
@@ -31,6 +33,9 @@ def quiet_torch() -> None:
 
 
 def main(argv: list[str]) -> int:
+    from phalanx.config.loader import load_config  # imported after guard_rank(): these import torch
+    from phalanx.train.trainer import attempt_number, train
+
     (config_path,) = argv
     quiet_torch()
     # Ctrl-C stops the job through the node agent, which passes SIGINT on to its ranks. As Python's
@@ -40,6 +45,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         train(load_config(config_path), attempt=attempt_number())
+    except PreemptedError as exc:  # rank 0 said where it stopped and how long the save took
+        return exc.exit_code
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -47,4 +54,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    guard_rank()
     sys.exit(main(sys.argv[1:]))

@@ -81,8 +81,9 @@ def test_the_requeue_decision_is_the_exit_code_table():
 
 
 def test_a_change_to_the_table_changes_the_script(monkeypatch):
-    """The script is generated from EXIT_CODES, not from a copy: flip exit 2 to requeue and signals to stop."""
-    changed = tuple(ExitCode(e.code, e.meaning, not e.requeue if e.code in ("2", "128 + N") else e.requeue)
+    """The script is generated from EXIT_CODES, not from a copy: flip exit 2 to requeue and signals (a
+    preemption's 143 among them) to stop."""
+    changed = tuple(ExitCode(e.code, e.meaning, not e.requeue if e.code in ("2", "143", "128 + N") else e.requeue)
                     for e in EXIT_CODES)
     monkeypatch.setattr(policy_module, "EXIT_CODES", changed)
     text = render_sbatch(SlurmJob(nodes=1, ranks_per_node=1, job_name="t"), Path("/s/job.sbatch"),

@@ -117,6 +117,16 @@ def test_tensorboard_event_files_hold_the_curves(observed):
     assert [e.step for e in events.Scalars("val/loss")][-1] == STEPS
 
 
+def step_rows(root, run_id: int) -> int:
+    import sqlalchemy as sa
+
+    from phalanx.observe import tables as t
+
+    store = RunStore.open(None, root, create=False)
+    with store.engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).where(t.steps.c.run_id == run_id)).scalar()
+
+
 def config_lr(observed) -> float:
     return yaml.safe_load((observed["run_dir"] / "config.yaml").read_text())["train"]["lr"]
 
@@ -136,8 +146,11 @@ def test_runs_commands_read_the_same_store(observed, tmp_path):
     phalanx("runs", "import", str(copy), "--runs", root)
     imported = json.loads(phalanx("runs", "show", "watched-lr", "--runs", root, "--json").stdout)
     assert imported["last_step"] == STEPS and imported["status"] == "finished"
-    again = phalanx("runs", "import", str(copy), "--runs", root, check=False)
-    assert again.returncode == 2 and "already in the store" in again.stderr
+    rows_before = step_rows(observed["root"], imported["id"])
+    # Importing it again brings it up to date (nothing was missing): no refusal, no row twice.
+    again = json.loads(phalanx("runs", "import", str(copy), "--runs", root, "--json").stdout)
+    assert again["imported"] == [{"run_dir": str(copy), "id": imported["id"], "updated": True}]
+    assert step_rows(observed["root"], imported["id"]) == rows_before > 0
     compared = json.loads(phalanx("runs", "compare", "watched", "watched-lr", "--runs", root, "--json").stdout)
     assert [r["name"] for r in compared["runs"]] == ["watched", "watched-lr"]
     assert compared["config_differences"] == {"train.lr": [config_lr(observed), 0.5]}
