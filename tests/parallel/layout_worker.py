@@ -1,5 +1,6 @@
 """Run by tests/parallel/test_layouts.py under torch's launcher: build the tiny model for a layout from
-the meta device and save its full initial parameters (rank 0), to compare across layouts."""
+the meta device and save each rank's full initial parameters (RANK in the file name; under pipeline
+parallelism each rank holds its stages' share), to compare across layouts."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from phalanx.models.llama import ModelArgs
 from phalanx.parallel.build import build_parallel_model
 from phalanx.parallel.mesh import build_mesh, resolve_layout
 
-ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=32,
-                 tie_embeddings=True)
+# Untied: pipeline parallelism refuses tied embeddings (the first and last stages would share a weight).
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=32)
 
 
 def main(parallel: str, out: str) -> None:
@@ -29,8 +30,7 @@ def main(parallel: str, out: str) -> None:
     full = {name.replace("module.", "").replace("_checkpoint_wrapped_module.", ""):
             (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
             for name, p in model.named_parameters()}
-    if int(os.environ.get("RANK", "0")) == 0:
-        torch.save(full, out)
+    torch.save(full, f"{out}.{os.environ.get('RANK', '0')}")
     if world > 1:
         dist.destroy_process_group()
 
