@@ -31,6 +31,7 @@ from phalanx.run.checkpoints import checkpoint_step, latest_checkpoint, read_tra
 from phalanx.run.layout import RunDir
 from phalanx.run.lock import run_lock
 from phalanx.run.prepare import prepare_run, start_timeline
+from phalanx.run.retention import apply_retention
 from phalanx.run.records import read_metrics
 from phalanx.run.resolved import resolved
 from phalanx.safe.goodput import run_report
@@ -65,6 +66,7 @@ def train_job(config: Config, spec: LaunchSpec, progress: bool = True) -> dict[s
         with run_lock(run.path) if owner else contextlib.nullcontext():
             if owner:
                 start_timeline(config)
+                apply_retention(run.path)  # empty stack files, old corrupt-step_* directories
             refuse_if_quarantined(config)  # before the data work: a quarantined node does nothing
             say(f"preparing data for {run.path}")
             data = prepare_run(config, progress=progress and err.is_terminal)  # a spinner: terminals only

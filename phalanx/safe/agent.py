@@ -31,11 +31,10 @@ from phalanx.errors import CrashLoopError, PhalanxError, PreemptedError, Stopped
 from phalanx.run.layout import RunDir
 from phalanx.run.records import EventSink
 from phalanx.safe.heartbeat import HeartbeatBoard
-from phalanx.safe.stacks import STACK_SIGNAL, innermost_frame
-from phalanx.safe.watchdog import HangDetector, Stall
+from phalanx.safe.stacks import innermost_frame, take_stacks
+from phalanx.safe.watchdog import HangDetector, Stall, culprit
 
 STACK_WAIT_SECONDS = 2.0
-WAITING_PHASES = ("backward", "collective")  # phases in which a rank can be blocked by its peers
 
 
 class PhalanxAgent(LocalElasticAgent):
@@ -215,30 +214,24 @@ class PhalanxAgent(LocalElasticAgent):
     def _on_hang(self, worker_group: WorkerGroup, stalls: list[Stall]) -> None:
         """Dump every local rank's stack, then record who stalled, where and in which phase."""
         pids = self._pcontext.pids() if self._pcontext is not None else {}
-        for pid in pids.values():
-            try:
-                os.kill(pid, STACK_SIGNAL)
-            except ProcessLookupError:
-                pass
         global_rank = {w.local_rank: w.global_rank for w in worker_group.workers}
         files = {s.local_rank: RunDir(self.run_dir).stack_file(self.attempt, global_rank[s.local_rank]) for s in stalls}
-        deadline = time.monotonic() + STACK_WAIT_SECONDS
-        while time.monotonic() < deadline and not all(f.is_file() and f.stat().st_size for f in files.values()):
-            time.sleep(0.05)
-        # A rank stalled in backward or a collective may only be waiting for a peer; one stalled in its own
-        # work is the likelier cause. Among equals, the one silent longest.
-        culprit = max(stalls, key=lambda s: (s.phase not in WAITING_PHASES, s.stalled_for))
+        missing = take_stacks({s.local_rank: (pids[s.local_rank], files[s.local_rank]) for s in stalls
+                               if s.local_rank in pids}, STACK_WAIT_SECONDS)
+        chosen = culprit(stalls)
         ranks = []
         for s in stalls:
             dump = files[s.local_rank].read_text() if files[s.local_rank].is_file() else ""
             ranks.append({"rank": global_rank[s.local_rank], "step": s.step, "phase": s.phase,
-                          "stalled_for": round(s.stalled_for, 3), "limit": round(s.limit, 3),
-                          "where": innermost_frame(dump), "stack_file": str(files[s.local_rank])})
-        self.events.emit("hang_detected", rank=global_rank[culprit.local_rank], attempt=self.attempt,
-                         stalled_for=culprit.stalled_for, limit=culprit.limit, ranks=ranks)
-        self.last_failure = (f"rank {global_rank[culprit.local_rank]} hung at step {culprit.step} "
-                             f"({culprit.phase}) for {culprit.stalled_for:.1f} s")
-        self._failure_line = f"{self.last_failure}; its stack is in {files[culprit.local_rank]}"
+                          "progress": s.progress, "stalled_for": round(s.stalled_for, 3), "limit": round(s.limit, 3),
+                          "where": innermost_frame(dump), "stack_file": str(files[s.local_rank]),
+                          **({"stack_missing": missing[s.local_rank]} if missing.get(s.local_rank) else {})})
+        self.events.emit("hang_detected", rank=global_rank[chosen.local_rank], attempt=self.attempt,
+                         stalled_for=chosen.stalled_for, limit=chosen.limit, ranks=ranks)
+        self.last_failure = (f"rank {global_rank[chosen.local_rank]} hung at step {chosen.step} "
+                             f"({chosen.phase}) for {chosen.stalled_for:.1f} s")
+        stack = missing.get(chosen.local_rank) or f"its stack is in {files[chosen.local_rank]}"
+        self._failure_line = f"{self.last_failure}; {stack}"
 
     def _check_crash_loop(self) -> None:
         """Count restarted attempts that failed before a newer checkpoint appeared; K in a row stop the run."""

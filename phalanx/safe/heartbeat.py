@@ -28,7 +28,8 @@ from phalanx.run.lock import pid_alive
 
 ENV_FILE = "PHALANX_HEARTBEAT_FILE"
 HEADER = struct.Struct("<qd")  # the agent's pid, its beat time (monotonic)
-SLOT = struct.Struct("<qiidd")  # step, phase, pid, beat time (monotonic), last step seconds
+# step, phase, pid, beat time (monotonic), last step seconds, sync points entered (see Heartbeat.beat)
+SLOT = struct.Struct("<qiiddq")
 FILE_PREFIX = "phalanx-heartbeat-"  # then the agent's pid and a random part: phalanx-heartbeat-PID-XXXX
 AGENT_BEAT_SECONDS = 0.5
 # A rank gives its agent this long without a beat before it counts it frozen. Generous: the beating
@@ -46,6 +47,7 @@ class Beat:
     pid: int
     time: float  # 0.0: the rank has not beaten yet
     last_step_seconds: float
+    progress: int = 0  # sync points of the job entered this attempt: the rank behind the others has fewer
 
 
 class HeartbeatBoard:
@@ -76,8 +78,9 @@ class HeartbeatBoard:
     def read(self) -> list[Beat]:
         beats = []
         for i in range(self.n):
-            step, phase, pid, when, last = SLOT.unpack_from(self._map, HEADER.size + i * SLOT.size)
-            beats.append(Beat(i, step, PHASES[phase] if 0 <= phase < len(PHASES) else "?", pid, when, last))
+            step, phase, pid, when, last, progress = SLOT.unpack_from(self._map, HEADER.size + i * SLOT.size)
+            beats.append(Beat(i, step, PHASES[phase] if 0 <= phase < len(PHASES) else "?", pid, when, last,
+                              progress))
         return beats
 
     def close(self) -> None:
@@ -157,14 +160,22 @@ class Heartbeat:
                 self._map = mmap.mmap(f.fileno(), 0)
         self._offset = HEADER.size + local_rank * SLOT.size
         self._pid = os.getpid()
-        self.step, self._last = 0, 0.0
+        self.step, self._last, self.progress = 0, 0.0, 0
 
-    def beat(self, phase: str, step: int | None = None) -> None:
+    def beat(self, phase: str, step: int | None = None, counted: bool = True) -> None:
+        """Enter `phase`. Every rank of the job passes the same phases in the same order (each one ends at,
+        or holds, a collective of the job's group: the FSDP all-gathers of forward, the gradient
+        reductions of backward, the step's all-reduce), so the count of phases entered is the count of
+        the job's sync points a rank has reached, as a collective flight recorder counts collectives: when
+        the ranks hang, the one with the fewest has not entered the collective the others wait in.
+        counted=False: a phase outside that common sequence (a fault drill's own side collective)."""
         if self._map is not None:
             if step is not None:
                 self.step = step
+            if counted:
+                self.progress += 1
             SLOT.pack_into(self._map, self._offset, self.step, PHASE_CODE[phase], self._pid, time.monotonic(),
-                           self._last)
+                           self._last, self.progress)
 
     def step_done(self, step: int, seconds: float) -> None:
         self._last = seconds

@@ -54,13 +54,15 @@ class FaultInjector:
                 corrupt_checkpoint(newest)
         if self._fire(("kill",), step):
             os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no exception handler
+        if self._fire(("stop",), step):
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive, silent, and deaf to the stack signal
         if slow := self._fire(("slow",), step):
             self.slow_seconds = slow.ms / 1000
         hang = self._fire(("hang",), step)
         if hang and hang.phase == "forward":
             _block_forever()
         elif hang:  # phase == collective: blocks inside an all-reduce that no peer joins
-            self.heartbeat.beat("collective")
+            self.heartbeat.beat("collective", counted=False)  # a side group's collective, not the job's
             dist.all_reduce(torch.zeros(1), group=self._side_group)
             _block_forever()
         if self.slow_seconds:

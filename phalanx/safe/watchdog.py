@@ -18,6 +18,7 @@ from phalanx.config.schema import SafeSection
 from phalanx.safe.heartbeat import Beat
 
 MIN_STEPS_TO_CALIBRATE = 5
+WAITING_PHASES = ("backward", "collective")  # phases in which a rank can be blocked by its peers
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Stall:
     phase: str
     stalled_for: float  # seconds since the rank's last heartbeat
     limit: float  # the timeout that applied to it
+    progress: int = 0  # the job's sync points it entered this attempt (Heartbeat.beat)
 
 
 class HangDetector:
@@ -64,6 +66,16 @@ class HangDetector:
             if beat.step != self._seen_steps.get(beat.local_rank) and beat.last_step_seconds > 0:
                 self._seen_steps[beat.local_rank] = beat.step
                 self.step_times.append(beat.last_step_seconds)
-        stalls = [Stall(b.local_rank, b.step, b.phase, now - (b.time or self._attempt_start), self.limit(b))
-                  for b in beats]
+        stalls = [Stall(b.local_rank, b.step, b.phase, now - (b.time or self._attempt_start), self.limit(b),
+                        b.progress) for b in beats]
         return stalls if any(s.stalled_for > s.limit for s in stalls) else []
+
+
+def culprit(stalls: list[Stall]) -> Stall:
+    """The rank the others wait for. Ranks of one job enter the same sync points in the same order, so the
+    one that has entered the fewest (an earlier step, or fewer phases into it) has not reached the
+    collective the others sit in. Level with each other, the one stalled in its own work rather than in a
+    phase that waits for peers is the likelier cause; among equals, the one silent longest."""
+    behind = min((s.step, s.progress) for s in stalls)
+    candidates = [s for s in stalls if (s.step, s.progress) == behind]
+    return max(candidates, key=lambda s: (s.phase not in WAITING_PHASES, s.stalled_for))

@@ -166,3 +166,63 @@ def test_goodput_buckets_never_overlap_when_the_first_attempt_dies_early():
     g = account(events, metrics, t0, 12.0)["goodput"]
     assert g["startup"] == 4.0 and g["detection"] == 2.0 and g["restart"] == 3.0 and g["eval"] == 1.0
     assert sum(g.values()) == pytest.approx(12.0) and g["other"] == pytest.approx(1.0)
+
+
+def test_the_rank_behind_in_sync_points_is_the_culprit():
+    from phalanx.safe.watchdog import Stall, culprit
+
+    waiting = Stall(0, 25, "backward", 3.0, 2.0, progress=101)
+    behind = Stall(1, 25, "collective", 2.9, 2.0, progress=100)  # silent a little less, but behind
+    assert culprit([waiting, behind]) is behind
+    level = [Stall(0, 25, "backward", 3.0, 2.0, 100), Stall(1, 25, "forward", 2.0, 2.0, 100)]
+    assert culprit(level).local_rank == 1  # level: the one stuck in its own work
+    assert culprit([Stall(0, 24, "data", 1.0, 2.0, 999), Stall(1, 25, "forward", 9.0, 2.0, 1)]).local_rank == 0
+
+
+def test_stacks_of_live_and_stopped_processes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from phalanx.safe.stacks import process_state, take_stacks
+
+    child = ("import faulthandler, signal, sys, time\n"
+             "f = open(sys.argv[1], 'w'); faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
+             "print('ready', flush=True)\nwhile True: time.sleep(0.05)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", child, str(tmp_path / f"rank{i}.txt")], stdout=subprocess.PIPE)
+             for i in range(2)]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline().strip() == b"ready"
+        procs[1].send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while process_state(procs[1].pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started = time.monotonic()
+        missing = take_stacks({i: (p.pid, tmp_path / f"rank{i}.txt") for i, p in enumerate(procs)}, wait_seconds=5)
+        assert time.monotonic() - started < 4  # a stopped process is not waited for
+        assert missing[0] is None and "File" in (tmp_path / "rank0.txt").read_text()
+        assert "stopped" in missing[1] and (tmp_path / "rank1.txt").read_text() == missing[1] + "\n"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_retention_keeps_what_explains_a_fault(tmp_path):
+    from phalanx.run.layout import RunDir
+    from phalanx.run.retention import apply_retention
+
+    run = RunDir(tmp_path)
+    run.stacks.mkdir(parents=True)
+    for attempt in range(7):
+        run.stack_file(attempt, 0).write_text("Thread 0x1 ...\n")
+    run.stack_file(6, 1).touch()  # a killed rank's empty file
+    for step in (10, 20, 30):
+        (run.checkpoints / f"corrupt-step_{step:08d}").mkdir(parents=True)
+    (run.checkpoints / "step_00000040").mkdir()
+    apply_retention(tmp_path)
+    assert sorted(p.name for p in run.stacks.iterdir()) == [f"attempt{a}-rank0.txt" for a in range(2, 7)]
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["corrupt-step_00000020", "corrupt-step_00000030",
+                                                                  "step_00000040"]
