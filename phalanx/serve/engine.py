@@ -178,7 +178,64 @@ class _SlotCache:
         return self._layers[i]
 
 
-class Engine:
+class TokenOutput:
+    """What happens to each token an engine picks, the same for every engine (this one and
+    llamacpp_engine.py): counts and timings, the sampler's and the grammar's state, end-of-text, stop
+    strings, the token budget, log-probabilities and the text handed out. A running request (`run`) has
+    request, sampler, stops, text, logprobs, generated, first_token_at and last_token; the engine has
+    observer, eos_id, vocabulary and its own _finish(run, reason)."""
+
+    def _take(self, run, token: int, logits_V: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if run.first_token_at is None:
+            run.first_token_at = now
+            if self.observer:
+                self.observer.first_token(now - run.request.submitted_at)
+        run.generated += 1
+        if self.observer:
+            self.observer.tokens_generated(1)
+        run.sampler.accept(token)
+        constraint = run.request.constraint
+        if constraint is not None:
+            constraint.accept(token)
+        if token == self.eos_id and not run.request.options.ignore_eos:
+            return self._finish(run, "stop")
+        if run.logprobs is not None:
+            run.logprobs.append(self._logprob_entry(token, logits_V, run.request.top_logprobs))
+        piece = run.stops.push(run.text.push(token))
+        if piece:
+            self._deliver(run, piece)
+        if run.stops.stopped or (constraint is not None and constraint.complete):
+            return self._finish(run, "stop")
+        if run.generated >= run.request.limit:
+            return self._finish(run, "length")
+        run.last_token = token
+
+    def _logprob_entry(self, token: int, logits_V: torch.Tensor, k: int) -> dict:
+        """The token's log-probability under the model's own distribution, and the k likeliest tokens'."""
+        logprobs_V = torch.log_softmax(logits_V.float(), dim=-1)
+        entry = self._token_logprob(token, float(logprobs_V[token]))
+        top = torch.topk(logprobs_V, min(k, logprobs_V.numel())) if k else None
+        entry["top_logprobs"] = [] if top is None else [
+            self._token_logprob(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        return entry
+
+    def _token_logprob(self, token: int, logprob: float) -> dict:
+        raw = self.vocabulary.token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0),
+                "bytes": list(raw)}
+
+    def _deliver(self, run, piece: str) -> None:
+        """Hand out a piece of text, with the log-probabilities of the tokens up to it when asked for."""
+        stream = run.request.stream
+        if run.logprobs is None:
+            return stream._deliver(piece)
+        entries, run.logprobs = run.logprobs, []
+        stream.logprobs.extend(entries)
+        stream._deliver(Piece.of(piece, entries))
+
+
+class Engine(TokenOutput):
     def __init__(self, model: Transformer, tokenizer: Tokenizer, slots: int = 8, max_queue: int = 64,
                  context: int | None = None, observer: EngineObserver | None = None):
         args = model.args
@@ -354,55 +411,6 @@ class Engine:
                 log.warning("request in slot %d failed: %s", run.slot, e)
                 if self._active.get(run.slot) is run:
                     self._finish(run, "error", f"generation failed: {e}")
-
-    def _take(self, run: _Running, token: int, logits_V: torch.Tensor) -> None:
-        now = time.perf_counter()
-        if run.first_token_at is None:
-            run.first_token_at = now
-            if self.observer:
-                self.observer.first_token(now - run.request.submitted_at)
-        run.generated += 1
-        if self.observer:
-            self.observer.tokens_generated(1)
-        run.sampler.accept(token)
-        constraint = run.request.constraint
-        if constraint is not None:
-            constraint.accept(token)
-        if token == self.eos_id and not run.request.options.ignore_eos:
-            return self._finish(run, "stop")
-        if run.logprobs is not None:
-            run.logprobs.append(self._logprob_entry(token, logits_V, run.request.top_logprobs))
-        piece = run.stops.push(run.text.push(token))
-        if piece:
-            self._deliver(run, piece)
-        if run.stops.stopped or (constraint is not None and constraint.complete):
-            return self._finish(run, "stop")
-        if run.generated >= run.request.limit:
-            return self._finish(run, "length")
-        run.last_token = token
-
-    def _logprob_entry(self, token: int, logits_V: torch.Tensor, k: int) -> dict:
-        """The token's log-probability under the model's own distribution, and the k likeliest tokens'."""
-        logprobs_V = torch.log_softmax(logits_V.float(), dim=-1)
-        entry = self._token_logprob(token, float(logprobs_V[token]))
-        top = torch.topk(logprobs_V, min(k, logprobs_V.numel())) if k else None
-        entry["top_logprobs"] = [] if top is None else [
-            self._token_logprob(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
-        return entry
-
-    def _token_logprob(self, token: int, logprob: float) -> dict:
-        raw = self.vocabulary.token_bytes(token)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0),
-                "bytes": list(raw)}
-
-    def _deliver(self, run: _Running, piece: str) -> None:
-        """Hand out a piece of text, with the log-probabilities of the tokens up to it when asked for."""
-        stream = run.request.stream
-        if run.logprobs is None:
-            return stream._deliver(piece)
-        entries, run.logprobs = run.logprobs, []
-        stream.logprobs.extend(entries)
-        stream._deliver(Piece.of(piece, entries))
 
     def _finish(self, run: _Running, reason: str, error: str | None = None) -> None:
         stream = run.request.stream

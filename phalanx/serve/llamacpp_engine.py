@@ -43,7 +43,7 @@ from tokenizers import Tokenizer
 
 from phalanx.data.tokenizer import special_ids
 from phalanx.errors import PhalanxError
-from phalanx.serve.engine import EngineObserver, Finish, Piece, PromptTooLong, QueueFull, RequestStream
+from phalanx.serve.engine import EngineObserver, Finish, PromptTooLong, QueueFull, RequestStream, TokenOutput
 from phalanx.serve.llamacpp_context import LlamaCppContext
 from phalanx.serve.options import SamplingOptions
 from phalanx.serve.sampler import RequestSampler
@@ -90,7 +90,7 @@ class _Sequence:
         return len(self.request.prompt_ids) - self.fed
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(TokenOutput):
     def __init__(self, gguf_path: Path | str, tokenizer: Tokenizer, slots: int = 8, max_queue: int = 64,
                  context: int | None = None, threads: int | None = None,
                  observer: EngineObserver | None = None, kv_dtype: str = "f16", batch_tokens: int = 512,
@@ -302,54 +302,6 @@ class LlamaCppEngine:
         else:
             token = seq.sampler.pick(logits_V, constraint)
         self._take(seq, token, logits_V)
-
-    def _take(self, seq: _Sequence, token: int, logits_V: torch.Tensor) -> None:
-        now = time.perf_counter()
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-            if self.observer:
-                self.observer.first_token(now - seq.request.submitted_at)
-        seq.generated += 1
-        if self.observer:
-            self.observer.tokens_generated(1)
-        seq.sampler.accept(token)
-        constraint = seq.request.constraint
-        if constraint is not None:
-            constraint.accept(token)
-        if token == self.eos_id and not seq.request.options.ignore_eos:
-            return self._finish(seq, "stop")
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(token, logits_V, seq.request.top_logprobs))
-        piece = seq.stops.push(seq.text.push(token))
-        if piece:
-            self._deliver(seq, piece)
-        if seq.stops.stopped or (constraint is not None and constraint.complete):
-            return self._finish(seq, "stop")
-        if seq.generated >= seq.request.limit:
-            return self._finish(seq, "length")
-        seq.last_token = token
-
-    def _logprob_entry(self, token: int, logits_V: torch.Tensor, k: int) -> dict:
-        """As the torch engine reports them: log-softmax of the raw logits, the token's and the k likeliest."""
-        logprobs_V = torch.log_softmax(logits_V.float(), dim=-1)
-        entry = self._token_logprob(token, float(logprobs_V[token]))
-        top = torch.topk(logprobs_V, min(k, logprobs_V.numel())) if k else None
-        entry["top_logprobs"] = [] if top is None else [
-            self._token_logprob(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
-        return entry
-
-    def _token_logprob(self, token: int, logprob: float) -> dict:
-        raw = self.vocabulary.token_bytes(token)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0),
-                "bytes": list(raw)}
-
-    def _deliver(self, seq: _Sequence, piece: str) -> None:
-        stream = seq.request.stream
-        if seq.logprobs is None:
-            return stream._deliver(piece)
-        entries, seq.logprobs = seq.logprobs, []
-        stream.logprobs.extend(entries)
-        stream._deliver(Piece.of(piece, entries))
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
         stream = seq.request.stream
