@@ -44,3 +44,26 @@ def server(served_run, tmp_path_factory) -> LiveServer:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    """The official OpenAI client on the shared server."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def oll(server):
+    """The official Ollama client on the shared server."""
+    import ollama
+
+    return ollama.Client(host=server.url, headers=server.headers)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """Raw requests (httpx) to the shared server, with its API key."""
+    with server.client() as client:
+        yield client

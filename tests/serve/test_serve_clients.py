@@ -5,25 +5,12 @@ from __future__ import annotations
 
 import json
 
-import ollama
-import openai
-import pytest
 from serve_helpers import MODEL
 
 # Greedy, with a presence penalty so that a 4-step model says more than newlines; Ollama's default
 # repeat_penalty (1.1) off, to match OpenAI's defaults.
 GREEDY = {"temperature": 0, "presence_penalty": 1.0, "repeat_penalty": 1.0}
 MESSAGES = [{"role": "system", "content": "Speak as in a play."}, {"role": "user", "content": "Who is there?"}]
-
-
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oll(server) -> ollama.Client:
-    return ollama.Client(host=server.url, headers=server.headers)
 
 
 def test_openai_chat_plain_and_streamed(oai):

@@ -11,23 +11,11 @@ import sys
 import threading
 
 import numpy as np
-import ollama
-import openai
 import pytest
 import torch
 from serve_helpers import MODEL
 
 TEXTS = ["ROMEO: But soft, what light", "JULIET: O Romeo, Romeo", "KING:"]
-
-
-@pytest.fixture(scope="module")
-def oll(server) -> ollama.Client:
-    return ollama.Client(host=server.url, headers=server.headers)
-
-
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -43,12 +43,6 @@ def error_text(response: httpx.Response, status: int) -> str:
     return error["message"] if isinstance(error, dict) else error
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client() as client:
-        yield client
-
-
 def still_serving(http: httpx.Client) -> None:
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"

@@ -7,28 +7,10 @@ from __future__ import annotations
 
 import math
 
-import ollama
-import openai
 import pytest
 from serve_helpers import MODEL
 
 MESSAGES = [{"role": "user", "content": "Who is there?"}]
-
-
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oll(server) -> ollama.Client:
-    return ollama.Client(host=server.url, headers=server.headers)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client() as client:
-        yield client
 
 
 def check_entry(token: str, logprob: float, raw: list[int] | None, top: list, k: int) -> None:

@@ -6,8 +6,6 @@ prompt counts over loopback with the official clients."""
 
 from __future__ import annotations
 
-import ollama
-import openai
 import pytest
 from serve_helpers import MODEL
 from tokenizers import AddedToken
@@ -87,16 +85,6 @@ def test_templates_that_rewrite_content_cannot_smuggle_a_marker(tokenizer):
     # Other fields than content (a name, tool arguments) holding a special-token string are refused.
     with pytest.raises(ValueError, match="special-token string"):
         encoder.chat_ids([{"role": "user", "content": "x", "name": END_OF_TURN}], render_with(LLAMA3_TEMPLATE))
-
-
-@pytest.fixture(scope="module")
-def oll(server) -> ollama.Client:
-    return ollama.Client(host=server.url, headers=server.headers)
-
-
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
 
 
 def test_served_prompts_count_marker_text_as_text(oll, oai, server):

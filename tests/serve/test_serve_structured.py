@@ -9,8 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
-import ollama
-import openai
 import pytest
 from serve_helpers import MODEL
 
@@ -23,22 +21,6 @@ PERSON = {"type": "object",
                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
                          "alive": {"type": "boolean"}},
           "required": ["name", "age", "mood", "tags", "alive"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oll(server) -> ollama.Client:
-    return ollama.Client(host=server.url, headers=server.headers)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client() as client:
-        yield client
 
 
 def test_ollama_schema_format_parses_and_validates(oll):

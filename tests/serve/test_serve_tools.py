@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 
-import ollama
-import openai
 import pytest
 from serve_helpers import MODEL
 
@@ -88,22 +86,6 @@ def test_forcing_and_bad_definitions():
 
 
 # ---- over HTTP ----
-
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oll(server) -> ollama.Client:
-    return ollama.Client(host=server.url, headers=server.headers)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client() as client:
-        yield client
-
 
 def _weather_arguments(arguments: str | dict) -> dict:
     parsed = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
