@@ -29,8 +29,9 @@ EXIT_CODES = (
              False),
     ExitCode("7", "the run store cannot be reached or refused the request (`phalanx runs`, `dashboard`; training "
                   "itself goes on without the store, with a warning)", True),
-    ExitCode("8", "the run's final checkpoint could not be saved (a full disk: the message says how much a checkpoint "
-                  "needs); free space and rerun: the same command resumes from the newest saved checkpoint", False),
+    ExitCode("8", "the run directory's disk is full: the final checkpoint, or the run's own records, could not be "
+                  "written (the message says how much a checkpoint needs); free space and rerun: the same command "
+                  "resumes from the newest saved checkpoint", False),
     ExitCode("143", "preempted (SIGTERM): checkpoint saved. Every rank finished its step and the job saved a "
                     "checkpoint there within `safe.preemption_grace_s`; the same command resumes from that step", True),
     ExitCode("128 + N", "stopped by signal N (130: Ctrl-C); the same command resumes from the newest checkpoint",
@@ -91,6 +92,13 @@ class StoreError(PhalanxError):
 class FinalSaveFailedError(PhalanxError):
     """Training reached its last step but could not save it (a full disk): the steps since the newest
     saved checkpoint would be lost on a resume, so the run must not look finished."""
+
+    exit_code = 8
+
+
+class DiskFullError(PhalanxError):
+    """A rank could not write the run's records (metrics, events) for want of space: restarting cannot
+    help, so the job stops (exit 8) rather than crash-loop."""
 
     exit_code = 8
 

@@ -22,10 +22,15 @@ class JsonlSink:
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self._file = open(path, "a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(json_safe({**record, "time": time.time()})) + "\n")
+        try:
+            self._file.write(json.dumps(json_safe({**record, "time": time.time()})) + "\n")
+        except OSError as exc:  # a full disk above all: the error then names the file
+            exc.filename = exc.filename or str(self.path)
+            raise
 
     def close(self) -> None:
         self._file.close()

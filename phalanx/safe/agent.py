@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException, _term
 
 from phalanx.config.schema import SafeSection
 from phalanx.console import say
-from phalanx.errors import CrashLoopError, PhalanxError, PreemptedError, StoppedBySignal
+from phalanx.errors import CrashLoopError, DiskFullError, PhalanxError, PreemptedError, StoppedBySignal
 from phalanx.run.layout import RunDir
 from phalanx.run.records import EventSink
 from phalanx.safe.heartbeat import HeartbeatBoard
@@ -181,6 +181,8 @@ class PhalanxAgent(LocalElasticAgent):
         for rank, failure in result.failures.items():
             if failure.exitcode == PhalanxError.exit_code:  # bad input: the rank printed why
                 raise PhalanxError(f"rank {rank} stopped on bad input (its message is above)")
+            if failure.exitcode == DiskFullError.exit_code:  # no restart can make room: the rank said where
+                raise DiskFullError(f"rank {rank} stopped: the run directory's disk is full (its message is above)")
         if any(f.exitcode == PreemptedError.exit_code for f in result.failures.values()):
             # Ranks sent SIGTERM without this agent (a `kill` of one rank): they agreed to stop and saved.
             # Not a failure to restart from: the job stops as preempted, once the others are done too.

@@ -9,13 +9,14 @@ hold its share of the run lock from its first moment, and a SIGTERM while it sta
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
 import sys
 import warnings
 
-from phalanx.errors import PhalanxError, PreemptedError
+from phalanx.errors import DiskFullError, PhalanxError, PreemptedError
 from phalanx.safe.rank_guard import guard_rank
 
 # `phalanx --debug` sets this for the whole job; then torch's own warnings and log lines are shown too.
@@ -43,10 +44,19 @@ def main(argv: list[str]) -> int:
     # it as that save's failure and train on; ended at once, as by SIGTERM, the rank stops where it is (its
     # newest checkpoint is intact) and the agent says what happened, once.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    config = load_config(config_path)
     try:
-        train(load_config(config_path), attempt=attempt_number())
+        train(config, attempt=attempt_number())
     except PreemptedError as exc:  # rank 0 said where it stopped and how long the save took
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        # A full disk under the run's records: a restart would fail the same way, so say it and stop (8).
+        where = f" writing {exc.filename}" if exc.filename else ""
+        print(f"error: no space left on device{where} (run directory {config.run_dir}): "
+              f"free space and rerun; the same command resumes from the newest saved checkpoint", file=sys.stderr)
+        return DiskFullError.exit_code
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
