@@ -235,33 +235,32 @@ class TokenOutput:
         stream._deliver(Piece.of(piece, entries))
 
 
-class Engine(TokenOutput):
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, slots: int = 8, max_queue: int = 64,
-                 context: int | None = None, observer: EngineObserver | None = None):
-        args = model.args
-        if slots < 1 or max_queue < 0:
-            raise ValueError("an engine needs at least one slot and a queue of at least 0")
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.bos_id, self.eos_id = special_ids(tokenizer)
-        self.slots, self.max_queue = slots, max_queue
-        self.context = min(context or args.max_seq_len, args.max_seq_len)
-        weight = model.tok_embeddings.weight
-        self.device = weight.device
-        self.cache = KVCache(args, slots, self.context, dtype=weight.dtype, device=self.device)
-        self.observer = observer
+class SlotScheduler(TokenOutput):
+    """Continuous batching over `slots`, the same for every engine: the bounded queue, submit's checks,
+    the background thread joining waiting requests into free slots at each step boundary, cancellation,
+    shut-down and how a request ends. An engine sets slots, max_queue, context and thread_name, calls
+    _init_queue(), and supplies _join(slot, request) and _step(); _release(slot), _thread_starts() and
+    _thread_ends() are its hooks for its own cache and resources."""
+
+    thread_name = "phalanx-engine"
+
+    def _init_queue(self) -> None:
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
-        self._active: dict[int, _Running] = {}
+        self._active: dict = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.vocabulary = TokenVocabulary(tokenizer, self.eos_id, args.vocab_size)
+
+    def _thread_starts(self) -> None:
+        pass
+
+    def _thread_ends(self) -> None:
+        pass
+
+    def _release(self, slot: int) -> None:
+        """A finished request's slot: what the engine's cache must forget of it."""
 
     # ---- the caller's side ----
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.cache.k, *self.cache.v))
 
     @property
     def alive(self) -> bool:
@@ -309,7 +308,7 @@ class Engine(TokenOutput):
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="phalanx-engine", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -317,13 +316,21 @@ class Engine(TokenOutput):
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
+        if self._thread is None:
+            self._thread_ends()  # what the thread would have released
+        else:
             self._thread.join(timeout)
 
     # ---- the engine thread ----
 
     def _run(self) -> None:
-        torch.set_grad_enabled(False)  # per thread: this one only ever does inference
+        self._thread_starts()
+        try:
+            self._loop()
+        finally:
+            self._thread_ends()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and not self._waiting and not self._active:
@@ -341,9 +348,9 @@ class Engine(TokenOutput):
                 for run in [r for r in self._active.values() if r.request.stream.cancelled]:
                     self._finish(run, "cancelled")
                 if self._active:
-                    self._decode_step()
+                    self._step()
             except Exception as e:  # a bug no request's own guard caught: fail what ran, keep the thread
-                log.exception("engine step failed")
+                log.exception("%s: a step failed", self.thread_name)
                 for _, request in pending:
                     self._finish_unstarted(request, "error", f"generation failed: {e}")
                 for run in list(self._active.values()):
@@ -355,6 +362,58 @@ class Engine(TokenOutput):
             self._finish(run, "error", "the server is shutting down")
         for request in left[1]:
             self._finish_unstarted(request, "error", "the server is shutting down")
+
+    def _finish(self, run, reason: str, error: str | None = None) -> None:
+        stream = run.request.stream
+        if reason != "error":
+            try:
+                tail = run.stops.push(run.text.flush()) + run.stops.flush()
+            except Exception as e:  # the last piece would not decode: the request still ends, as an error
+                reason, error, tail = "error", f"generation failed: {e}", ""
+            if tail or run.logprobs:
+                self._deliver(run, tail)
+        self._release(run.slot)
+        with self._cond:
+            self._active.pop(run.slot, None)
+        stream._deliver(Finish(reason, len(run.request.prompt_ids), run.generated, run.request.submitted_at,
+                               run.prefill_started_at, run.first_token_at, time.perf_counter(), error))
+
+    def _finish_unstarted(self, request: _Request, reason: str, error: str | None = None) -> None:
+        now = time.perf_counter()
+        request.stream._deliver(Finish(reason, len(request.prompt_ids), 0, request.submitted_at, now, None, now,
+                                       error))
+
+
+class Engine(SlotScheduler):
+    thread_name = "phalanx-engine"
+
+    def _thread_starts(self) -> None:
+        torch.set_grad_enabled(False)  # per thread: this one only ever does inference
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, slots: int = 8, max_queue: int = 64,
+                 context: int | None = None, observer: EngineObserver | None = None):
+        args = model.args
+        if slots < 1 or max_queue < 0:
+            raise ValueError("an engine needs at least one slot and a queue of at least 0")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.bos_id, self.eos_id = special_ids(tokenizer)
+        self.slots, self.max_queue = slots, max_queue
+        self.context = min(context or args.max_seq_len, args.max_seq_len)
+        weight = model.tok_embeddings.weight
+        self.device = weight.device
+        self.cache = KVCache(args, slots, self.context, dtype=weight.dtype, device=self.device)
+        self.observer = observer
+        self._init_queue()
+        self.vocabulary = TokenVocabulary(tokenizer, self.eos_id, args.vocab_size)
+
+    # ---- the caller's side ----
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.cache.k, *self.cache.v))
+
+    # ---- the engine thread ----
 
     def _join(self, slot: int, request: _Request) -> None:
         """Prefill a new request alone into its slot and take its first token."""
@@ -383,7 +442,7 @@ class Engine(TokenOutput):
             log.exception("prefill failed")
             self._finish(run, "error", f"generation failed: {e}")
 
-    def _decode_step(self) -> None:
+    def _step(self) -> None:
         runs = list(self._active.values())
         tokens, positions = [0] * self.slots, [0] * self.slots  # idle rows: token 0 at position 0, ignored
         for run in runs:
@@ -411,22 +470,3 @@ class Engine(TokenOutput):
                 log.warning("request in slot %d failed: %s", run.slot, e)
                 if self._active.get(run.slot) is run:
                     self._finish(run, "error", f"generation failed: {e}")
-
-    def _finish(self, run: _Running, reason: str, error: str | None = None) -> None:
-        stream = run.request.stream
-        if reason != "error":
-            try:
-                tail = run.stops.push(run.text.flush()) + run.stops.flush()
-            except Exception as e:  # the last piece would not decode: the request still ends, as an error
-                reason, error, tail = "error", f"generation failed: {e}", ""
-            if tail or run.logprobs:
-                self._deliver(run, tail)
-        with self._cond:
-            self._active.pop(run.slot, None)
-        stream._deliver(Finish(reason, len(run.request.prompt_ids), run.generated, run.request.submitted_at,
-                               run.prefill_started_at, run.first_token_at, time.perf_counter(), error))
-
-    def _finish_unstarted(self, request: _Request, reason: str, error: str | None = None) -> None:
-        now = time.perf_counter()
-        request.stream._deliver(Finish(reason, len(request.prompt_ids), 0, request.submitted_at, now, None, now,
-                                       error))

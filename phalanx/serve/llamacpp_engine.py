@@ -29,12 +29,9 @@ the requests of that step; anything else that escapes a step fails what was runn
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,27 +40,15 @@ from tokenizers import Tokenizer
 
 from phalanx.data.tokenizer import special_ids
 from phalanx.errors import PhalanxError
-from phalanx.serve.engine import EngineObserver, Finish, PromptTooLong, QueueFull, RequestStream, TokenOutput
+from phalanx.serve.engine import EngineObserver, SlotScheduler, _Request
 from phalanx.serve.llamacpp_context import LlamaCppContext
-from phalanx.serve.options import SamplingOptions
 from phalanx.serve.sampler import RequestSampler
-from phalanx.serve.structured_output import TokenConstraint, TokenVocabulary
+from phalanx.serve.structured_output import TokenVocabulary
 from phalanx.serve.text_stream import IncrementalText, StopMatcher
 
 log = logging.getLogger("phalanx.serve")
 
 CPU = torch.device("cpu")
-
-
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    options: SamplingOptions
-    limit: int  # most new tokens: max_tokens capped by the context left
-    stream: RequestStream
-    submitted_at: float
-    constraint: TokenConstraint | None = None
-    top_logprobs: int | None = None
 
 
 @dataclass
@@ -90,7 +75,9 @@ class _Sequence:
         return len(self.request.prompt_ids) - self.fed
 
 
-class LlamaCppEngine(TokenOutput):
+class LlamaCppEngine(SlotScheduler):
+    thread_name = "phalanx-llamacpp-engine"
+
     def __init__(self, gguf_path: Path | str, tokenizer: Tokenizer, slots: int = 8, max_queue: int = 64,
                  context: int | None = None, threads: int | None = None,
                  observer: EngineObserver | None = None, kv_dtype: str = "f16", batch_tokens: int = 512,
@@ -122,11 +109,7 @@ class LlamaCppEngine(TokenOutput):
         self.prefill_chunk = self.llama.batch_tokens - slots if self.llama.batch_tokens > slots else 1
         self.observer = observer
         self.vocabulary = TokenVocabulary(tokenizer, self.eos_id, self.vocab_size)
-        self._cond = threading.Condition()
-        self._waiting: deque[_Request] = deque()
-        self._active: dict[int, _Sequence] = {}
-        self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._init_queue()
 
     # ---- the caller's side (as Engine's) ----
 
@@ -134,101 +117,13 @@ class LlamaCppEngine(TokenOutput):
     def kv_cache_bytes(self) -> int:
         return self.llama.kv_cache_bytes
 
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def _thread_ends(self) -> None:
+        self.llama.close()  # llama.cpp's memory goes with the thread (or at stop() if it never started)
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def active(self) -> int:
-        return len(self._active)
-
-    def submit(self, prompt_ids: list[int], options: SamplingOptions, context_limit: int | None = None,
-               loop: asyncio.AbstractEventLoop | None = None, constraint: TokenConstraint | None = None,
-               top_logprobs: int | None = None) -> RequestStream:
-        """Queue a request; raises PromptTooLong or QueueFull at once rather than failing later.
-        context_limit (a request's num_ctx) can only narrow the engine's context."""
-        context = min(context_limit or self.context, self.context)
-        n = len(prompt_ids)
-        if n == 0:
-            raise PromptTooLong("the prompt is empty")
-        if n >= context:
-            raise PromptTooLong(f"the prompt is {n} tokens but the context holds {context}, leaving no room "
-                                f"for a reply; shorten it to at most {context - 1} tokens")
-        room = context - n
-        limit = room if options.max_tokens is None else min(options.max_tokens, room)
-        stream = RequestStream(n, loop)
-        request = _Request(list(prompt_ids), options, limit, stream, time.perf_counter(), constraint, top_logprobs)
-        with self._cond:
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
-            for gone in [r for r in self._waiting if r.stream.cancelled]:  # no queue places for the departed
-                self._waiting.remove(gone)
-                self._finish_unstarted(gone, "cancelled")
-            if len(self._active) + len(self._waiting) >= self.slots + self.max_queue:
-                raise QueueFull(f"all {self.slots} slots are busy and {len(self._waiting)} requests are waiting "
-                                f"(the most the queue holds); try again later")
-            self._waiting.append(request)
-            self._cond.notify()
-        return stream
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="phalanx-llamacpp-engine", daemon=True)
-            self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """End the loop; requests still running or waiting finish with reason "error". llama.cpp's memory
-        is freed by the thread as it ends (or here, if it never started)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is None:
-            self.llama.close()
-        else:
-            self._thread.join(timeout)
+    def _release(self, slot: int) -> None:
+        self.llama.forget(slot)  # its cells are free for the next step's tokens
 
     # ---- the engine thread ----
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        finally:
-            self.llama.close()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and not self._waiting and not self._active:
-                    self._cond.wait()
-                if self._stopping:
-                    break
-                free = [s for s in range(self.slots) if s not in self._active]
-                joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-            pending = deque(zip(free, joining))
-            try:
-                while pending:
-                    self._join(*pending.popleft())
-                for seq in [s for s in self._active.values() if s.request.stream.cancelled]:
-                    self._finish(seq, "cancelled")
-                if self._active:
-                    self._step()
-            except Exception as e:  # a bug no request's own guard caught: fail what ran, keep the thread
-                log.exception("llama.cpp engine step failed")
-                for _, request in pending:
-                    self._finish_unstarted(request, "error", f"generation failed: {e}")
-                for seq in list(self._active.values()):
-                    self._finish(seq, "error", f"generation failed: {e}")
-        with self._cond:
-            left = list(self._active.values()), list(self._waiting)
-            self._waiting.clear()
-        for seq in left[0]:
-            self._finish(seq, "error", "the server is shutting down")
-        for request in left[1]:
-            self._finish_unstarted(request, "error", "the server is shutting down")
 
     def _join(self, slot: int, request: _Request) -> None:
         """Give a request its slot; its prompt is fed by the coming steps."""
@@ -302,23 +197,3 @@ class LlamaCppEngine(TokenOutput):
         else:
             token = seq.sampler.pick(logits_V, constraint)
         self._take(seq, token, logits_V)
-
-    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
-        stream = seq.request.stream
-        if reason != "error":
-            try:
-                tail = seq.stops.push(seq.text.flush()) + seq.stops.flush()
-            except Exception as e:  # the last piece would not decode: the request still ends, as an error
-                reason, error, tail = "error", f"generation failed: {e}", ""
-            if tail or seq.logprobs:
-                self._deliver(seq, tail)
-        self.llama.forget(seq.slot)  # its cells are free for the next step's tokens
-        with self._cond:
-            self._active.pop(seq.slot, None)
-        stream._deliver(Finish(reason, len(seq.request.prompt_ids), seq.generated, seq.request.submitted_at,
-                               seq.prefill_started_at, seq.first_token_at, time.perf_counter(), error))
-
-    def _finish_unstarted(self, request: _Request, reason: str, error: str | None = None) -> None:
-        now = time.perf_counter()
-        request.stream._deliver(Finish(reason, len(request.prompt_ids), 0, request.submitted_at, now, None, now,
-                                       error))
