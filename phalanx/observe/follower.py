@@ -38,22 +38,26 @@ GOODPUT_EVERY_S = 10.0
 # What goodput accounting needs of each step record; the follower keeps only these for the launch.
 GOODPUT_FIELDS = ("step", "time", "loss", "step_seconds", "eval_seconds", "skipped")
 MAX_BACKOFF_S = 30.0  # the longest wait between tries while the store is down
+STORE_REBUILT, STORE_REFILLED = "store_rebuilt", "store_refilled"  # event kinds of the run's own events
 
 
 class RunFollower:
     def __init__(self, run_dir: Path, run_name: str, wall_start: float, store: RunStore | None = None,
                  run_id: int | None = None, interval: float = 1.0, tensorboard: bool = False,
                  connect: Callable[[], tuple[RunStore, int]] | None = None,
-                 on_rebuilt: Callable[[RunStore], None] | None = None):
+                 on_rebuilt: Callable[[RunStore], bool] | None = None, refill_pending: bool = False):
         """With `connect` (open the store, register the run, return both) the follower opens the store
         itself, retrying until it answers, and reopens it when its SQLite file is replaced; then
-        `on_rebuilt` may refill the new store with other runs."""
+        `on_rebuilt` refills the new store with other runs, called on each pass until it says it is
+        complete (a store that fails again mid-refill, or a writer killed, must not lose them).
+        `refill_pending`: a rebuild before this follower started left its refill unfinished."""
         self.run_dir, self.run_name, self.wall_start = Path(run_dir), run_name, wall_start
         self.store, self.run_id, self.interval = store, run_id, interval
         self.connect, self.on_rebuilt = connect, on_rebuilt
         self.offsets: dict[str, int] = store.offsets(run_id) if store is not None and run_id is not None else {}
         self._identity = _file_identity(store) if store is not None else None
         self.rebuilds = 0
+        self.refill_pending = refill_pending
         self.tensorboard = _tensorboard_writer(self.run_dir) if tensorboard else None
         self.last: dict[str, Any] = {}
         self.ranks: dict[int, dict[str, Any]] = {}
@@ -153,6 +157,8 @@ class RunFollower:
             self._rebuild()
         if self.store is None and not self._attach():
             return False
+        if self.refill_pending and not self._refill():
+            return False
         if not any(self._pending):
             return True
         try:  # outside the lock: a slow database never holds up a /metrics scrape
@@ -205,12 +211,21 @@ class RunFollower:
         if not self._attach():
             return
         # Said in the run's events (and so in the new store): its figures before now were copied again.
-        JsonlEventSink(self.run_dir).emit("store_rebuilt", path=str(path))
-        if self.on_rebuilt is not None:
-            try:
-                self.on_rebuilt(self.store)
-            except Exception as exc:  # the other runs are a bonus; this run's copy must go on
-                self._warn(f"rebuilding the other runs of the store: {type(exc).__name__}: {exc}")
+        JsonlEventSink(self.run_dir).emit(STORE_REBUILT, path=str(path))
+        self.refill_pending = self.on_rebuilt is not None
+
+    def _refill(self) -> bool:
+        """Refill a rebuilt store with the other runs; whether that is done. Once done, said in the run's
+        events, so that a writer started after this one does not refill again."""
+        try:
+            done = self.on_rebuilt(self.store)
+        except Exception as exc:  # the other runs are a bonus; this run's copy must go on
+            self._warn(f"refilling the rebuilt store with the other runs: {type(exc).__name__}: {exc}")
+            done = False
+        if done:
+            self.refill_pending = False
+            JsonlEventSink(self.run_dir).emit(STORE_REFILLED)
+        return done
 
     def _files(self) -> list[str]:
         return [METRICS, EVENTS, TELEMETRY, *RunDir(self.run_dir).rank_timing_names()]
@@ -260,6 +275,23 @@ class RunFollower:
         if message not in self._warned:  # once each: an outage must not flood the training console
             _print_warning(message)
             self._warned.add(message)
+
+
+def refill_unfinished(run_dir: Path) -> bool:
+    """Whether the run's events say its store was rebuilt and not yet refilled with the other runs."""
+    try:
+        lines = (Path(run_dir) / EVENTS).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return False
+    pending = False
+    for line in lines:
+        if STORE_REBUILT in line or STORE_REFILLED in line:
+            try:
+                kind = json.loads(line).get("kind")
+            except ValueError:  # a line cut short by a crash
+                continue
+            pending = {STORE_REBUILT: True, STORE_REFILLED: False}.get(kind, pending)
+    return pending
 
 
 def _print_warning(message: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 
 from phalanx.config.schema import Config
-from phalanx.errors import PhalanxError, StoppedBySignal
+from phalanx.errors import PhalanxError, StoppedBySignal, StoreError
 from phalanx.observe.follower import RunFollower
 from phalanx.observe.store import RunStore, check_url, store_url
 from phalanx.observe.store_writer import StoreWriter
@@ -135,7 +135,9 @@ def sync_run_dir(store: RunStore, run_dir: Path) -> tuple[int, bool]:
                                      config.model.preset, None, config.train.max_steps, socket.gethostname())
         else:
             run_id = known  # registered by its launch: its name, config and nodes stay as that stored them
-        RunFollower(run_dir, run_dir.name, time.time(), store, run_id).sync()
+        if not RunFollower(run_dir, run_dir.name, time.time(), store, run_id).sync():  # it said why
+            raise StoreError(f"the run store did not take all of {run_dir} yet; importing it again adds the rest",
+                             transient=True)
         summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
         if "goodput" in summary:  # `phalanx train` adds the launch's goodput report to the summary
             store.set_goodput(run_id, {k: summary.get(k) for k in ("restarts", "faults", "stragglers", "goodput",

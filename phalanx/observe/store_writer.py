@@ -95,7 +95,7 @@ class StoreWriter:
 
 # -- the writer process ------------------------------------------------------------------------------
 def main() -> int:
-    from phalanx.observe.follower import MAX_BACKOFF_S, RunFollower
+    from phalanx.observe.follower import MAX_BACKOFF_S, RunFollower, refill_unfinished
     from phalanx.observe.store import RunStore
 
     spec = json.loads(sys.stdin.readline())
@@ -123,7 +123,8 @@ def main() -> int:
             raise
 
     follower = RunFollower(run_dir, spec["name"], spec["wall_start"], interval=spec["interval"], connect=connect,
-                           on_rebuilt=lambda store: import_other_runs(store, run_dir))
+                           on_rebuilt=lambda store: import_other_runs(store, run_dir),
+                           refill_pending=refill_unfinished(run_dir))  # the writer before this one died in it
     delay = spec["interval"]
     while not ended.wait(delay):
         delay = spec["interval"] if follower.pass_once() else min(MAX_BACKOFF_S, delay * 2)
@@ -133,26 +134,28 @@ def main() -> int:
     return 1
 
 
-def import_other_runs(store: Any, run_dir: Path) -> list[str]:
+def import_other_runs(store: Any, run_dir: Path) -> bool:
     """After a rebuild: the other runs of the runs root that are not training (those are copied by
-    their own writers) go back into the new store; the names of those imported."""
+    their own writers) go back into the new store. Whether that is complete: False while the store
+    refuses some of them (a later try brings each up to date from the offsets the store holds)."""
     from phalanx.observe.observer import sync_run_dir
     from phalanx.run.layout import RunDir
 
-    imported = []
+    imported, complete = [], True
     for other in sorted(Path(run_dir).parent.iterdir()):
-        if other == Path(run_dir) or not RunDir(other).config.is_file() or store.run_id_for_dir(other) is not None:
+        if other == Path(run_dir) or not RunDir(other).config.is_file():
             continue
         try:
             sync_run_dir(store, other)
             imported.append(other.name)
+        except StoreError:
+            complete = False
         except PhalanxError:  # training (locked), or not a run any more: its own writer, or nobody
             continue
     if imported:
-        Console(stderr=True, soft_wrap=True).print(f"rebuilt the run store with {len(imported)} other run(s) of {run_dir.parent}: "
-                                   + ", ".join(imported), highlight=False)
-    return imported
-
+        Console(stderr=True, soft_wrap=True).print(f"rebuilt the run store with {len(imported)} other run(s) of "
+                                                   f"{run_dir.parent}: " + ", ".join(imported), highlight=False)
+    return complete
 
 if __name__ == "__main__":
     try:

@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from phalanx.observe import tables as t
-from phalanx.observe.follower import RunFollower
+from phalanx.observe.follower import RunFollower, refill_unfinished
 from phalanx.observe.observer import sync_run_dir
 from phalanx.observe.store import RunStore
 from phalanx.observe.store_writer import StoreWriter
@@ -79,6 +79,35 @@ def test_a_deleted_sqlite_store_is_rebuilt_with_the_runs_whole_history(tmp_path)
     kinds = [e["kind"] for e in store.events(run_id)]
     assert kinds[0] == "training_started" and "store_rebuilt" in kinds  # said in the run's own events
     assert store.run(run_id)["status"] == "running"
+
+
+def test_the_refill_of_a_rebuilt_store_is_retried_until_done_even_by_the_next_writer(tmp_path):
+    root = tmp_path / "runs"
+    run_dir = make_run_dir(root)
+    db = root / "phalanx.db"
+    answers = [False, True]  # the store refuses the other runs once (made immutable, say), then takes them
+    calls = []
+
+    def refill(store):
+        calls.append(store)
+        return answers[len(calls) - 1]
+
+    follower = RunFollower(run_dir, "run", 0.0, connect=connector(f"sqlite:///{db}", run_dir), on_rebuilt=refill)
+    append_steps(run_dir, range(1, 3))
+    assert follower.sync() and not calls  # a store that was never rebuilt is not refilled
+    for f in root.glob("phalanx.db*"):
+        f.unlink()
+    assert not follower.sync() and len(calls) == 1 and refill_unfinished(run_dir)
+    assert follower.sync() and len(calls) == 2 and not refill_unfinished(run_dir)
+    assert follower.sync() and len(calls) == 2  # done: not again
+    # A writer killed mid-refill: the next one learns from the run's events that it is still to do.
+    append_event(run_dir, "store_rebuilt", path=str(db))
+    assert refill_unfinished(run_dir)
+    again = []
+    successor = RunFollower(run_dir, "run", 0.0, connect=connector(f"sqlite:///{db}", run_dir),
+                            on_rebuilt=lambda store: again.append(store) or True,
+                            refill_pending=refill_unfinished(run_dir))
+    assert successor.sync() and len(again) == 1 and not refill_unfinished(run_dir)
 
 
 def test_an_sqlite_store_replaced_by_an_older_copy_gets_what_the_copy_lacks(tmp_path):
