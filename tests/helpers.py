@@ -53,3 +53,49 @@ def wait_for_port(port: int, timeout: float = 60) -> None:
                 return
         time.sleep(0.1)
     pytest.fail(f"nothing listens on port {port}")
+
+
+# -- the processes of a launch -------------------------------------------------------------------------
+def _cmdline(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def parent_of(pid: int) -> int:
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def is_rank(pid: int) -> bool:
+    """Whether `pid` is a training rank: `python -m phalanx.train.worker`, or a process forked by a warm
+    server (phalanx/launch/warm_ranks.py), which shares the server's command line (that names the
+    worker among what it preloads): forked, its parent has the same one."""
+    command = _cmdline(pid)
+    if b"phalanx.train.worker" not in command:
+        return False
+    if b"multiprocessing.forkserver" not in command:
+        return True
+    try:
+        return _cmdline(parent_of(pid)) == command
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def agent_of(rank: int) -> int:
+    """The node agent of a rank: its parent, or its fork server's parent."""
+    parent = parent_of(rank)
+    return parent_of(parent) if b"multiprocessing.forkserver" in _cmdline(parent) else parent
+
+
+def ranks_of(agent: int) -> list[int]:
+    """The pids of the ranks node agent `agent` started."""
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and is_rank(int(p.name))
+            and _safe_agent_of(int(p.name)) == agent]
+
+
+def _safe_agent_of(rank: int) -> int | None:
+    try:
+        return agent_of(rank)
+    except (OSError, IndexError, ValueError):
+        return None

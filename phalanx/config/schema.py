@@ -205,6 +205,9 @@ class SafeSection(Section):
     # This many restarts in a row without a newer checkpoint is a crash loop: stop, exit code 3.
     crash_loop_restarts: PositiveInt = 3
     heartbeats: bool = True
+    # Ranks forked from a server that has imported torch and the trainer once per launch (a restart then
+    # costs no interpreter start and no `import torch`); false starts each rank as a fresh interpreter.
+    warm_restarts: bool = True
     hang_timeout_s: float | None = Field(None, gt=0, description="fixed; null calibrates from step times")
     hang_multiplier: float = Field(10.0, gt=1)
     hang_floor_s: float = Field(60.0, gt=0)

@@ -26,6 +26,7 @@ from pathlib import Path
 from phalanx.config.schema import Config
 from phalanx.console import debug_enabled
 from phalanx.errors import PhalanxError, RendezvousFailedError, RestartsExhaustedError, StoppedBySignal
+from phalanx.launch.warm_ranks import start_server, stop_server
 from phalanx.run.checkpoints import checkpoint_step, latest_checkpoint
 from phalanx.run.layout import RunDir
 from phalanx.run.records import JsonlEventSink
@@ -112,10 +113,15 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     from phalanx.safe.agent import PhalanxAgent
 
     min_nodes, max_nodes = spec.node_range()
+    entrypoint, start_method = sys.executable, "spawn"  # torch's agent: a command line per rank
     if one_shot is None:
         role, work_dir, rdzv_id = "trainer", config.run_dir, config.run.name
         args = ("-m", "phalanx.train.worker", str(RunDir(config.run_dir).config))
         max_restarts, heartbeats = config.safe.max_restarts, config.safe.heartbeats
+        if config.safe.warm_restarts:  # a function forked from the warm server instead
+            from phalanx.train.worker import run_rank
+
+            entrypoint, start_method, args = run_rank, "forkserver", args[2:]
     else:
         role, work_dir, rdzv_id = one_shot.role, one_shot.work_dir, f"{config.run.name}-{one_shot.role}"
         args, max_restarts, heartbeats = one_shot.args, 0, False
@@ -134,7 +140,7 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
         handler = rdzv_registry.get_rendezvous_handler(rdzv)
     except (RendezvousError, ValueError, OSError) as exc:
         raise RendezvousFailedError(f"cannot start the rendezvous at {endpoint}: {exc}") from None
-    worker_spec = WorkerSpec(role=role, local_world_size=spec.nproc, entrypoint=sys.executable, args=args,
+    worker_spec = WorkerSpec(role=role, local_world_size=spec.nproc, entrypoint=entrypoint, args=args,
                              rdzv_handler=handler, max_restarts=max_restarts, monitor_interval=0.1)
     board = None
     if heartbeats:
@@ -154,17 +160,22 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
         newest = latest_checkpoint(root)
         return checkpoint_step(newest) if newest else None
 
+    if start_method == "forkserver":  # after the ranks' environment is set: they inherit the server's
+        start_server()
     agent = PhalanxAgent(worker_spec, DefaultLogsSpecs(), safe=config.safe, run_dir=work_dir,
                          events=JsonlEventSink(work_dir), board=board, newest_checkpoint_step=newest_step,
-                         before_restart=before_restart)
+                         before_restart=before_restart, start_method=start_method)
     # torch's elastic agent logs every stop and failure in its own format ("W1201 12:00:00.0 ... Sending
     # process 123 closing signal SIGTERM"); the agent says them in phalanx's words, so torch's are only
     # shown under --debug.
-    elastic_log, silence = logging.getLogger("torch.distributed.elastic"), logging.NullHandler()
-    propagate = elastic_log.propagate
+    # The same for torch's process context of warm-started ranks ("Terminating process 123 via signal").
+    torch_logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    silence = logging.NullHandler()
+    propagates = [log.propagate for log in torch_logs]
     if not debug_enabled():  # a handler of its own, so logging's last resort does not print them either
-        elastic_log.propagate = False
-        elastic_log.addHandler(silence)
+        for log in torch_logs:
+            log.propagate = False
+            log.addHandler(silence)
     # torch turns SIGTERM into SignalException once the ranks are started; from here on already, so that a
     # SIGTERM during the rendezvous also ends in StoppedBySignal (exit 143) rather than in a bare kill.
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
@@ -178,12 +189,15 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm)
-        elastic_log.propagate = propagate
-        elastic_log.removeHandler(silence)
+        for log, propagate in zip(torch_logs, propagates):
+            log.propagate = propagate
+            log.removeHandler(silence)
         for name in (ENV_FILE, ENV_AGENT_PID, ENV_RUN_LOCK):
             os.environ.pop(name, None)
         if board is not None:
             board.close()
+        if start_method == "forkserver":
+            stop_server()
         handler.shutdown()
     if result is None:  # torch: this node was not needed once the rendezvous closed
         return False

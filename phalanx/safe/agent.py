@@ -15,6 +15,7 @@ This subclass adds what it lacks:
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -79,11 +80,15 @@ class PhalanxAgent(LocalElasticAgent):
 
             def close_the_rest(death_sig=None, timeout=30):
                 if death_sig is None:  # torch's stop after a failure: who is still running is a consequence
-                    running = pcontext.subprocess_handlers.items()
-                    self._stopped_ranks = {r for r, h in running if h.proc.poll() is None}
+                    self._stopped_ranks |= {r for r, code in rank_exit_codes(pcontext).items() if code is None}
                 close(death_sig or signal.SIGKILL, timeout)
 
             pcontext.close = close_the_rest
+            # Ranks forked by the warm server are stopped differently: the moment one fails, torch's
+            # process context terminate()s the others (SIGTERM) and waits up to 30 s. Each one's
+            # terminate() is made that same SIGKILL, and counted as a consequence.
+            for local_rank, process in enumerate(getattr(getattr(pcontext, "_pc", None), "processes", [])):
+                process.terminate = functools.partial(self._kill_survivor, local_rank, process)
         # torch's SIGTERM handler (installed as the ranks start) raises its SignalException wherever the
         # main thread is, and a library call of the monitoring loop that catches Exception can swallow it:
         # in drills, one SIGTERM in a handful was lost and the run trained on to its end. With the ranks
@@ -91,6 +96,10 @@ class PhalanxAgent(LocalElasticAgent):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._note_sigterm)
         return result
+
+    def _kill_survivor(self, local_rank: int, process) -> None:
+        self._stopped_ranks.add(local_rank)
+        process.kill()
 
     def _note_sigterm(self, signum, frame) -> None:
         self._sigterm_pending = True
@@ -115,8 +124,7 @@ class PhalanxAgent(LocalElasticAgent):
             super()._shutdown(signal.SIGTERM, timeout=grace)
         finally:
             signal.signal(signal.SIGTERM, previous)
-        handlers = getattr(self._pcontext, "subprocess_handlers", {})
-        codes = [h.proc.poll() for h in handlers.values()]
+        codes = list(rank_exit_codes(self._pcontext).values())
         if any(code != PreemptedError.exit_code for code in codes):  # killed (or not even reaped yet)
             say(f"the ranks did not stop within safe.preemption_grace_s={grace:g} s and were killed; "
                 "the run resumes from its newest checkpoint")
@@ -165,7 +173,7 @@ class PhalanxAgent(LocalElasticAgent):
             raise SignalException(f"Process {os.getpid()} got signal: SIGTERM", sigval=signal.SIGTERM)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED:
-            self._on_crash(result)
+            self._on_crash(self._failed_ranks(result, worker_group))
         elif result.state == WorkerState.HEALTHY and self.board is not None:
             stalls = self.detector.check(self.board.read(), time.monotonic())
             if stalls:
@@ -176,14 +184,25 @@ class PhalanxAgent(LocalElasticAgent):
             self._check_crash_loop()
         return result
 
-    def _on_crash(self, result: RunResult) -> None:
+    def _failed_ranks(self, result: RunResult, worker_group: WorkerGroup) -> dict[int, tuple[int, int]]:
+        """global rank -> (local rank, exit code) of every rank that exited with an error. torch names only
+        the first one it saw for ranks forked by the warm server; the others' codes are read here."""
+        failed = {rank: (f.local_rank, f.exitcode) for rank, f in result.failures.items()}
+        codes = rank_exit_codes(self._pcontext) if self._pcontext is not None else {}
+        for worker in worker_group.workers:
+            code = codes.get(worker.local_rank)
+            if worker.global_rank not in failed and code not in (None, 0):
+                failed[worker.global_rank] = (worker.local_rank, code)
+        return failed
+
+    def _on_crash(self, failed: dict[int, tuple[int, int]]) -> None:
         """One event per failure, naming the rank that most likely caused it."""
-        for rank, failure in result.failures.items():
-            if failure.exitcode == PhalanxError.exit_code:  # bad input: the rank printed why
+        for rank, (_, exitcode) in failed.items():
+            if exitcode == PhalanxError.exit_code:  # bad input: the rank printed why
                 raise PhalanxError(f"rank {rank} stopped on bad input (its message is above)")
-            if failure.exitcode == DiskFullError.exit_code:  # no restart can make room: the rank said where
+            if exitcode == DiskFullError.exit_code:  # no restart can make room: the rank said where
                 raise DiskFullError(f"rank {rank} stopped: the run directory's disk is full (its message is above)")
-        if any(f.exitcode == PreemptedError.exit_code for f in result.failures.values()):
+        if any(exitcode == PreemptedError.exit_code for _, exitcode in failed.values()):
             # Ranks sent SIGTERM without this agent (a `kill` of one rank): they agreed to stop and saved.
             # Not a failure to restart from: the job stops as preempted, once the others are done too.
             self._stopped_by = signal.SIGTERM
@@ -191,12 +210,12 @@ class PhalanxAgent(LocalElasticAgent):
         beats = {b.local_rank: b for b in self.board.read()} if self.board is not None else {}
         now = time.monotonic()
         ranks = []
-        for rank, failure in sorted(result.failures.items()):
-            beat = beats.get(failure.local_rank)
-            ranks.append({"rank": rank, "exitcode": failure.exitcode, "step": beat.step if beat else None,
+        for rank, (local_rank, exitcode) in sorted(failed.items()):
+            beat = beats.get(local_rank)
+            ranks.append({"rank": rank, "exitcode": exitcode, "step": beat.step if beat else None,
                           "phase": beat.phase if beat else None,
                           "stalled_for": now - beat.time if beat and beat.time else None,
-                          "stopped": failure.local_rank in self._stopped_ranks})
+                          "stopped": local_rank in self._stopped_ranks})
         # A rank killed by a signal is the likelier cause; peers then fail on broken connections, and
         # those the agent stopped itself (SIGKILL once a peer failed) are consequences. Then the one
         # silent longest.
@@ -250,6 +269,15 @@ class PhalanxAgent(LocalElasticAgent):
                              last_failure=self.last_failure)
             raise CrashLoopError(f"crash loop: {restarts} restarts in a row without checkpoint progress "
                                  f"({where}); last failure: {self.last_failure} (see {RunDir(self.run_dir).events})")
+
+
+def rank_exit_codes(pcontext) -> dict[int, int | None]:
+    """Each local rank's exit code (None while it runs; -N when killed by signal N), from either kind of
+    torch process context: ranks started as command lines, or forked by the warm server as functions."""
+    if hasattr(pcontext, "subprocess_handlers"):
+        return {rank: handler.proc.poll() for rank, handler in pcontext.subprocess_handlers.items()}
+    processes = pcontext._pc.processes if pcontext._pc is not None else []  # torch keeps them private
+    return {rank: process.exitcode for rank, process in enumerate(processes)}
 
 
 def _is_signal(exitcode: int) -> bool:

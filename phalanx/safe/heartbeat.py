@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import signal
 import struct
 import threading
@@ -140,12 +141,27 @@ class AgentWatch:
 
     def _watch(self) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1})
+        exited = _exit_waiter(self.agent_pid)
         while True:
-            time.sleep(self.interval)
+            if exited(self.interval):  # at once, where the kernel can tell (a zombie still looks alive)
+                self.on_gone(f"the node agent (pid {self.agent_pid}) exited")
+                return
             reason = self.reason()
             if reason is not None:
                 self.on_gone(reason)
                 return
+
+
+def _exit_waiter(pid: int) -> Callable[[float], bool]:
+    """wait(seconds): True as soon as process `pid` exits, else False after that long (a pidfd, Linux
+    5.3+: a rank forked by the warm server is not the agent's child, so no parent-death signal tells it
+    at once). Where there is no pidfd it only sleeps, and the watch's pid check notices."""
+    try:
+        poller = select.poll()
+        poller.register(os.pidfd_open(pid), select.POLLIN)  # the fd lives as long as the watch
+    except (AttributeError, OSError):  # no pidfd here, or the agent already gone: the pid check says so
+        return lambda seconds: time.sleep(seconds) or False
+    return lambda seconds: bool(poller.poll(seconds * 1000))
 
 
 class Heartbeat:

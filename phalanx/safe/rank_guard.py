@@ -2,14 +2,16 @@
 share of the run lock for as long as it lives, and SIGTERM means "stop at the next step and save".
 
 Three layers keep a rank from training on unsupervised once its agent is gone:
-  - the parent-death signal (Linux prctl PR_SET_PDEATHSIG): the kernel SIGKILLs the rank the moment the
-    agent dies, `kill -9` included. It fires when the *thread* that started the rank exits, which is the
-    thread running the agent's loop (launch() runs it in the caller's thread, and returns only once the
-    ranks are stopped);
-  - a check right after setting it that the agent is still this process's parent (it may have died
-    before the signal was armed);
-  - a watch over the agent's beat on the heartbeat board (AgentWatch), for what the signal misses: a
-    frozen agent, a rank started through something in between, a system without prctl.
+  - the parent-death signal (Linux prctl PR_SET_PDEATHSIG): the kernel SIGKILLs the rank the moment its
+    parent dies, `kill -9` included. For a rank the agent started itself that is the agent (the signal
+    fires when the *thread* that started the rank exits: the thread running the agent's loop, since
+    launch() runs it in the caller's thread and returns only once the ranks are stopped); for a rank
+    forked by the agent's warm server (phalanx/launch/warm_ranks.py) it is that server;
+  - a check right after setting it that the agent is still this process's parent or grandparent (it may
+    have died before the signal was armed);
+  - a watch over the agent on the heartbeat board (AgentWatch: its pid, every half second, and its beat),
+    for what the signal misses: the agent of a warm-started rank (whose server outlives it while its
+    ranks hold the server's pipe), a frozen agent, a system without prctl.
 Holding the run lock shared (run.lock.hold_shared) means a new launch cannot take the run directory
 while any rank of the old one still lives, however the old agent died.
 """
@@ -42,7 +44,9 @@ def guard_rank() -> None:
     if agent is None:
         return
     die_with_parent()
-    if os.getppid() != int(agent):
+    # Started by the agent itself, or forked by its warm server (phalanx/launch/warm_ranks.py), which is
+    # the agent's child: either way the agent is the parent or the grandparent while it lives.
+    if int(agent) not in (os.getppid(), parent_of(os.getppid())):
         stop(f"the node agent (pid {agent}) exited before this rank started")
     lock = os.environ.get(ENV_RUN_LOCK)
     if lock:
@@ -56,6 +60,15 @@ def guard_rank() -> None:
             _kept.append(AgentWatch(Path(board), stop))
         except OSError:  # the agent removes its board as it exits
             stop(f"the node agent (pid {agent}) is gone: its heartbeat board {board} is")
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of process `pid` (Linux /proc), or None where that cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after "pid (comm) state": the parent's pid
 
 
 def die_with_parent() -> bool:

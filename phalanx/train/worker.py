@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 import warnings
 
 from phalanx.errors import DiskFullError, PhalanxError, PreemptedError
@@ -61,6 +62,22 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     return 0
+
+
+def run_rank(config_path: str) -> None:
+    """The rank's entry when forked from the launch's warm server (phalanx/launch/warm_ranks.py): the
+    same as the command line's, with torch already imported. A traceback is printed here, as a fresh
+    interpreter would; torch's process wrapper only keeps it in a file."""
+    guard_rank()
+    try:
+        code = main([config_path])
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.helpers import free_port, losses_by_step, train_json
+from tests.helpers import agent_of, free_port, is_rank, losses_by_step, train_json
 
 from phalanx.run.records import read_events
 
@@ -83,19 +83,15 @@ def ranks_of_ray_node(node: int) -> list[int]:
     """The training ranks that the agent of Ray bundle `node` started (they carry its index)."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or not is_rank(int(entry.name)):
             continue
         try:
-            command, env = (entry / "cmdline").read_bytes(), (entry / "environ").read_bytes().split(b"\0")
+            env = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"phalanx.train.worker" in command and f"PHALANX_RAY_NODE={node}".encode() in env:
+        if f"PHALANX_RAY_NODE={node}".encode() in env:
             found.append(int(entry.name))
     return found
-
-
-def parent_of(pid: int) -> int:
-    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 @pytest.mark.slow
@@ -115,7 +111,7 @@ def test_a_killed_node_agent_is_replaced_and_the_run_resumes_bit_identical(ray_c
             assert launch.poll() is None and time.monotonic() < deadline, "the Ray run never reached step 6"
             time.sleep(0.05)
         (rank,) = ranks_of_ray_node(1)
-        agent = parent_of(rank)
+        agent = agent_of(rank)
         os.kill(agent, signal.SIGKILL)  # node 1's agent actor dies outright: no Ray clean-up
         deadline = time.monotonic() + 10
         while Path(f"/proc/{rank}").exists() and time.monotonic() < deadline:  # its rank goes with it

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from tests.conftest import TINY
-from tests.helpers import losses_by_step, read_metrics, train_json
+from tests.helpers import losses_by_step, ranks_of, read_metrics, train_json
 
 from phalanx.run.records import read_events
 
@@ -56,8 +56,8 @@ def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: f
     pytest.fail(f"{run_dir} did not reach step {steps}")
 
 
-def ranks_of(agent: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(agent).children() if "phalanx.train.worker" in " ".join(p.cmdline())]
+def rank_processes(agent: int) -> list[psutil.Process]:
+    return [psutil.Process(pid) for pid in ranks_of(agent)]
 
 
 def gone(process: psutil.Process) -> bool:
@@ -72,7 +72,7 @@ def test_killed_agent_takes_its_ranks_down_and_a_relaunch_resumes_alone(base, cl
     run_dir = runs_root / name
     proc = start(base, name)
     wait_for_steps(run_dir, 11, proc)
-    ranks = ranks_of(proc.pid)
+    ranks = rank_processes(proc.pid)
     assert len(ranks) == 2
     proc.kill()  # SIGKILL of the node agent: no handler of its own runs
     proc.wait()
@@ -128,10 +128,10 @@ def test_sigterm_while_the_ranks_start_exits_143_at_once(base, runs_root):
     name = "agent-drill-sigterm-start"
     proc = start(base, name)
     deadline = time.monotonic() + 120
-    while len(ranks_of(proc.pid)) < 2 and time.monotonic() < deadline:
+    while len(rank_processes(proc.pid)) < 2 and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.02)
-    ranks = ranks_of(proc.pid)
+    ranks = rank_processes(proc.pid)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)  # the ranks are still importing torch or forming the group
     _, err = proc.communicate(timeout=60)
