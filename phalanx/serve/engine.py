@@ -2,14 +2,24 @@
 
 One background thread owns the model. The cache holds `slots` rows of `context` positions, allocated
 once. A request waits in a bounded queue until a slot is free; at the next step boundary it joins: its
-prompt is prefilled alone into its slot's row, then every step decodes one token for all slots in a
-single batched forward, each row at its own position. Finished rows free their slot at once.
+prompt is prefilled alone into a cache row, then every step decodes one token for all running requests
+in a single batched forward, each row at its own position. Finished rows free their slot at once.
+
+A decode step is sized to what runs, not to the server (on CPU, where it can be proven row-invariant):
+running requests keep the low rows of the cache packed (a leaving request's row is refilled by moving
+the last one down, one copy per departure rather than a gather per step), the step runs over the first
+`width` rows, width the running count rounded up to a power of two (capped at slots), and attends over
+the first `span` positions, span the longest live row rounded up by at most 25% (step_span). So
+one request on a 16-slot server decodes one row over its own length, and the few shapes there are keep
+any shape cache (oneDNN's primitives, a compiled graph) small.
 
 Greedy decoding gives a request the same tokens alone as in a busy batch because each row's math never
-sees its neighbours: the prefill always runs alone (same shapes, same data), and every decode step has
-the same shape, (slots, 1), idle rows padded, so matmuls are never re-blocked by the batch's size, and
-the attention of batched decoding is spelt out row by row (Attention.attend_rows). Sampling is per row,
-with the request's own generator.
+sees its neighbours or the step's width: the prefill always runs alone (same shapes, same data); the
+linear layers run through oneDNN on packed weights (row_invariant.py), whose rows are the same bits at
+any batch size, where MKL's are not; the attention of batched decoding is spelt out row by row
+(Attention.attend_rows), and positions beyond a row's length weigh exactly 0 whatever the span. Where
+that cannot be had (a GPU, another dtype) every step keeps today's full shape, (slots, 1) over the whole
+context, idle rows padded. Sampling is per row, with the request's own generator.
 
 Callers hold a RequestStream: text pieces as they are decoded (whole characters, never part of a stop
 string), then one Finish with the reason and the counts and timings.
@@ -43,6 +53,7 @@ from tokenizers import Tokenizer
 from phalanx.data.tokenizer import special_ids
 from phalanx.models.llama import KVCache, Transformer
 from phalanx.serve.options import SamplingOptions
+from phalanx.serve.row_invariant import make_rows_invariant
 from phalanx.serve.sampler import RequestSampler
 from phalanx.serve.structured_output import TokenConstraint, TokenVocabulary
 from phalanx.serve.text_stream import IncrementalText, StopMatcher
@@ -168,14 +179,40 @@ class _Running:
 
 
 class _SlotCache:
-    """One slot's rows of the shared cache, shaped like a batch-of-one KVCache (views: writes land in it)."""
+    """One row of the shared cache, shaped like a batch-of-one KVCache (views: writes land in it)."""
 
-    def __init__(self, cache: KVCache, slot: int):
+    def __init__(self, cache: KVCache, row: int):
         self.max_len = cache.max_len
-        self._layers = [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in zip(cache.k, cache.v)]
+        self._layers = [(k[row:row + 1], v[row:row + 1]) for k, v in zip(cache.k, cache.v)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[i]
+
+
+class _StepCache:
+    """The first `width` rows and `span` positions of the shared cache: what one decode step reads (views:
+    the step's writes, at positions below span, land in the cache)."""
+
+    def __init__(self, cache: KVCache, width: int, span: int):
+        self.max_len = span
+        self._layers = [(k[:width, :, :span], v[:width, :, :span]) for k, v in zip(cache.k, cache.v)]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._layers[i]
+
+
+def step_width(running: int, slots: int) -> int:
+    """Rows a decode step runs over: the running count rounded up to a power of two, at most slots."""
+    return min(1 << (running - 1).bit_length(), slots)
+
+
+def step_span(longest: int, context: int) -> int:
+    """Positions a decode step attends over: the longest live row rounded up to a multiple of a quarter
+    of the power of two below it (at most 25% beyond it, four shapes per doubling), at least 32."""
+    if longest <= 32:
+        return min(32, context)
+    quarter = 1 << max((longest - 1).bit_length() - 3, 0)
+    return min(-(-longest // quarter) * quarter, context)
 
 
 class TokenOutput:
@@ -403,6 +440,9 @@ class Engine(SlotScheduler):
         weight = model.tok_embeddings.weight
         self.device = weight.device
         self.cache = KVCache(args, slots, self.context, dtype=weight.dtype, device=self.device)
+        # Steps sized to the running requests only where each row is then provably the same bits.
+        self.sized_steps = make_rows_invariant(self.model)
+        self._rows: dict[int, int] = {}  # slot -> its cache row; running requests hold rows 0..n-1
         self.observer = observer
         self._init_queue()
         self.vocabulary = TokenVocabulary(tokenizer, self.eos_id, args.vocab_size)
@@ -415,8 +455,21 @@ class Engine(SlotScheduler):
 
     # ---- the engine thread ----
 
+    def _release(self, slot: int) -> None:
+        """Keep the running rows packed: the last row moves into the freed one (its live positions only)."""
+        row = self._rows.pop(slot, None)
+        if row is None or row == len(self._rows):
+            return
+        last_slot = next(s for s, r in self._rows.items() if r == len(self._rows))
+        moved = self._active.get(last_slot)
+        live = self.cache.max_len if moved is None else min(moved.position + 1, self.cache.max_len)
+        for k, v in zip(self.cache.k, self.cache.v):
+            k[row, :, :live] = k[len(self._rows), :, :live]
+            v[row, :, :live] = v[len(self._rows), :, :live]
+        self._rows[last_slot] = row
+
     def _join(self, slot: int, request: _Request) -> None:
-        """Prefill a new request alone into its slot and take its first token."""
+        """Prefill a new request alone into the next free row and take its first token."""
         if request.stream.cancelled:
             return self._finish_unstarted(request, "cancelled")
         if request.limit == 0:
@@ -432,9 +485,10 @@ class Engine(SlotScheduler):
             return self._finish_unstarted(request, "error", f"generation failed: {e}")
         with self._cond:
             self._active[slot] = run
+        self._rows[slot] = len(self._rows)
         try:
             prompt_1T = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
-            logits_V = self.model(prompt_1T, _SlotCache(self.cache, slot), start_pos=0)[0, -1]
+            logits_V = self.model(prompt_1T, _SlotCache(self.cache, self._rows[slot]), start_pos=0)[0, -1]
             if self.observer:
                 self.observer.prompt_prefilled(len(request.prompt_ids))
             self._take(run, run.sampler.pick(logits_V, request.constraint), logits_V)
@@ -444,28 +498,35 @@ class Engine(SlotScheduler):
 
     def _step(self) -> None:
         runs = list(self._active.values())
-        tokens, positions = [0] * self.slots, [0] * self.slots  # idle rows: token 0 at position 0, ignored
-        for run in runs:
-            tokens[run.slot], positions[run.slot] = run.last_token, run.position
+        rows = [self._rows[run.slot] for run in runs]  # fixed for this step: a release moves rows for the next
+        if self.sized_steps:
+            width = step_width(len(runs), self.slots)
+            span = step_span(max(run.position for run in runs) + 1, self.cache.max_len)
+        else:
+            width, span = self.slots, self.cache.max_len
+        tokens, positions = [0] * width, [0] * width  # idle rows: token 0 at position 0, ignored
+        for run, row in zip(runs, rows):
+            tokens[row], positions[row] = run.last_token, run.position
         try:
-            tokens_N1 = torch.tensor(tokens, dtype=torch.long, device=self.device).view(self.slots, 1)
+            tokens_N1 = torch.tensor(tokens, dtype=torch.long, device=self.device).view(width, 1)
             positions_N = torch.tensor(positions, dtype=torch.long, device=self.device)
-            logits_NV = self.model(tokens_N1, self.cache, positions_B=positions_N)[:, 0].float()
+            cache = _StepCache(self.cache, width, span)
+            logits_NV = self.model(tokens_N1, cache, positions_B=positions_N)[:, 0].float()
             greedy = logits_NV.argmax(dim=-1).tolist()
         except Exception as e:  # the batched forward itself: fail this step's requests, keep serving
             log.exception("decode step failed")
             for run in runs:
                 self._finish(run, "error", f"generation failed: {e}")
             return
-        for run in runs:  # each row on its own: one request's bad sample fails it alone
+        for run, row in zip(runs, rows):  # each row on its own: one request's bad sample fails it alone
             try:
                 constraint = run.request.constraint
                 if run.sampler.greedy_without_penalties and constraint is None:
-                    token = greedy[run.slot]
+                    token = greedy[row]
                 else:
-                    token = run.sampler.pick(logits_NV[run.slot], constraint)
+                    token = run.sampler.pick(logits_NV[row], constraint)
                 run.position += 1
-                self._take(run, token, logits_NV[run.slot])
+                self._take(run, token, logits_NV[row])
             except Exception as e:
                 log.warning("request in slot %d failed: %s", run.slot, e)
                 if self._active.get(run.slot) is run:
