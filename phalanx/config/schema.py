@@ -175,7 +175,7 @@ class ParallelSection(Section):
 class CheckpointSection(Section):
     # `async` is a Python keyword: the field is async_save, the key people write `checkpoint.async`.
     model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True, validate_by_alias=True)
-    OFF_MEANS = {"resume": "never"}
+    OFF_MEANS = {"resume": "never", "memory_interval": 0}
 
     interval: PositiveInt = 125
     keep: PositiveInt = 3
@@ -184,6 +184,10 @@ class CheckpointSection(Section):
     # Write each save in the background (DCP async_save) while training goes on; it is published (manifest,
     # atomic rename) at the first step boundary after every rank's part is written.
     async_save: bool = Field(False, alias="async")
+    # In-memory snapshots (host shared memory, phalanx/train/memory_checkpoint.py) every N steps, which a
+    # restart after a crash resumes from when newer than the newest checkpoint; 0 is off; auto: every step
+    # while one costs under 2% of a step, else the smallest interval that keeps it there.
+    memory_interval: NonNegativeInt | Literal["auto"] = Field("auto", description="steps | auto | 0 (off)")
 
 
 class FaultSpec(Section):

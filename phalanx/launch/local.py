@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,12 +26,23 @@ from pathlib import Path
 
 from phalanx.config.schema import Config
 from phalanx.console import debug_enabled
-from phalanx.errors import PhalanxError, RendezvousFailedError, RestartsExhaustedError, StoppedBySignal
-from phalanx.launch.warm_ranks import start_server, stop_server
+from phalanx.errors import (
+    PhalanxError,
+    RendezvousFailedError,
+    RestartsExhaustedError,
+    StoppedBySignal,
+)
+from phalanx.launch.warm_ranks import run_entry, start_server, stop_server
 from phalanx.run.checkpoints import checkpoint_step, latest_checkpoint
 from phalanx.run.layout import RunDir
 from phalanx.run.records import JsonlEventSink
-from phalanx.safe.heartbeat import ENV_FILE, HeartbeatBoard, board_path, remove_stale_boards
+from phalanx.run.snapshots import launch_dir, newest_common_step
+from phalanx.safe.heartbeat import (
+    ENV_FILE,
+    HeartbeatBoard,
+    board_path,
+    remove_stale_boards,
+)
 from phalanx.safe.rank_guard import ENV_AGENT_PID, ENV_RUN_LOCK
 
 # The c10d rendezvous options a user may set (seconds), as torchrun's --rdzv-conf takes them.
@@ -106,8 +118,14 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     out (the job passes the node preflight of `safe.preflight` here)."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
-    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
+    from torch.distributed.elastic.multiprocessing.api import (
+        SignalException,
+        _terminate_process_handler,
+    )
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousError,
+        RendezvousParameters,
+    )
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     from phalanx.safe.agent import PhalanxAgent
@@ -118,10 +136,9 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
         role, work_dir, rdzv_id = "trainer", config.run_dir, config.run.name
         args = ("-m", "phalanx.train.worker", str(RunDir(config.run_dir).config))
         max_restarts, heartbeats = config.safe.max_restarts, config.safe.heartbeats
-        if config.safe.warm_restarts:  # a function forked from the warm server instead
-            from phalanx.train.worker import run_rank
-
-            entrypoint, start_method, args = run_rank, "forkserver", args[2:]
+        if config.safe.warm_restarts:  # the worker's function, forked from the warm server instead
+            entrypoint, start_method = run_entry, "forkserver"
+            args = ("phalanx.train.worker", "run_rank", *args[2:])
     else:
         role, work_dir, rdzv_id = one_shot.role, one_shot.work_dir, f"{config.run.name}-{one_shot.role}"
         args, max_restarts, heartbeats = one_shot.args, 0, False
@@ -155,10 +172,13 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     root = RunDir(config.run_dir).checkpoints
 
     def newest_step() -> int | None:
+        """Where a restart would resume: the newest checkpoint on disk, or the ranks' in-memory snapshot
+        of a newer step (what the restart notice says, and the progress the crash-loop guard counts)."""
         if one_shot is not None:
             return None  # a one-shot job makes no checkpoints
         newest = latest_checkpoint(root)
-        return checkpoint_step(newest) if newest else None
+        steps = [checkpoint_step(newest) if newest else None, newest_common_step(config.run_dir, os.getpid())]
+        return max((s for s in steps if s is not None), default=None)
 
     if start_method == "forkserver":  # after the ranks' environment is set: they inherit the server's
         start_server()
@@ -198,6 +218,8 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
             board.close()
         if start_method == "forkserver":
             stop_server()
+        if one_shot is None:  # this launch's in-memory snapshots: the ranks are gone, so are they
+            shutil.rmtree(launch_dir(config.run_dir, os.getpid()), ignore_errors=True)
         handler.shutdown()
     if result is None:  # torch: this node was not needed once the rendezvous closed
         return False

@@ -15,6 +15,7 @@ so that a later launch in the same process (a Ray actor's next node agent) gets 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -23,6 +24,12 @@ import signal
 # What the server imports before it forks anyone: the rank's entry and everything the trainer needs,
 # with what torch imports lazily on the way (building a model on the meta device imports dynamo, 0.8 s).
 PRELOAD = ["phalanx.train.worker", "phalanx.train.trainer", "torch._dynamo"]
+
+
+def run_entry(module: str, function: str, *args: str) -> None:
+    """What a forked rank runs: `module.function(*args)`, named as the command line names `-m module`
+    (the launcher knows the trainer only by name). The server has imported the module already."""
+    getattr(importlib.import_module(module), function)(*args)
 
 
 def start_server() -> None:

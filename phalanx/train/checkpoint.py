@@ -115,7 +115,7 @@ class Checkpointer:
         self._state_bytes = state_dict_bytes(model_sd, optim_sd)
         future = None
         try:
-            torch.save(_rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
+            torch.save(rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
             if self.asynchronous:
                 future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
                                         storage_writer=storage_writer, process_group=self._group)
@@ -205,18 +205,18 @@ class Checkpointer:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
         rng_file = path / f"rng_rank{self.env.rank}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than saved: fresh seeds then
-            _set_rng_state(torch.load(rng_file, weights_only=True), self.env.device)
+            set_rng_state(torch.load(rng_file, weights_only=True), self.env.device)
         return state
 
 
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)

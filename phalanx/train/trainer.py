@@ -56,6 +56,7 @@ from phalanx.safe.stacks import register_stack_dump
 from phalanx.safe.stragglers import ComputeClock, StragglerDetector
 from phalanx.train.checkpoint import Checkpointer, SaveOutcome, verify_in_parallel
 from phalanx.train.evaluate import Evaluator
+from phalanx.train.memory_checkpoint import MemorySnapshots, remove_rank
 from phalanx.train.optim import build_optimizer, clip_gradients, lr_at
 from phalanx.train.progress import ProgressLine, notice
 
@@ -74,6 +75,10 @@ def train(config: Config, attempt: int = 0) -> dict[str, Any]:
         clean = True  # every rank stopped after the same step: the closing barrier meets them all
         raise
     finally:
+        # The run ends here on this rank (finished, stopped, or failed with no restart left): its in-memory
+        # snapshots go. Those of a rank killed outright go when a later launch finds their agent gone.
+        if clean or attempt >= config.safe.max_restarts:
+            remove_rank(config.run_dir, env.rank)
         teardown(clean)
         stacks.close()
         if Path(stacks.name).stat().st_size == 0:  # nothing was dumped: no file to keep
@@ -129,6 +134,8 @@ class Trainer:
         self.checkpointer = Checkpointer(run.checkpoints, config.checkpoint.keep, env,
                                          asynchronous=config.checkpoint.async_save)
         self.guard = NumericsGuard(self.safe.spike_zscore, self.safe.spike_window)
+        self.snapshots = MemorySnapshots(run.path, env, dataclasses.asdict(self.layout),
+                                         config.checkpoint.memory_interval, say=self._say)
         self.clock = ComputeClock(env.device)
         self.stragglers = StragglerDetector(self.safe.straggler_window, self.safe.straggler_threshold,
                                             self.safe.straggler_min_ms / 1000, env)
@@ -150,9 +157,11 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         tc = self.tc
         path = resume_path(self.config, self.env, self.events)
-        step = self._resume(path)
-        if path is not None:
-            notice(f"resuming from step {step} (checkpoint {path})", self.env.is_main)
+        step = self._resume_memory(path)
+        if step is None:
+            step = self._resume(path)
+            if path is not None:
+                notice(f"resuming from step {step} (checkpoint {path})", self.env.is_main)
         self.progress = ProgressLine(tc.max_steps, step, enabled=self.env.is_main)
         if step == 0:
             notice("evaluating at step 0", self.env.is_main)
@@ -189,8 +198,11 @@ class Trainer:
                     self._save(step, final=step == end_step)
                 else:
                     self._report_save(self.checkpointer.finish(wait=False))  # publish an async save once written
+                if self.snapshots.due(step):
+                    self._snapshot(step, step_seconds)
                 if self.state.get("stop_requested"):  # agreed in the step's all-reduce: all ranks stop here
                     self._stop_preempted(step)
+        self.snapshots.close()
         self.heartbeat.beat("done", step)
         self.sink.close()
         self.rank_sink.close()
@@ -286,9 +298,7 @@ class Trainer:
     def _save(self, step: int, final: bool) -> None:
         self.heartbeat.beat("checkpoint", step)
         self._report_save(self.checkpointer.finish(wait=True))  # an async save still being written
-        state = {"loader": self.loader.state_dict(), "model_args": dataclasses.asdict(self.args),
-                 "world_size": self.env.world_size, "numerics_recent": list(self.guard.recent),
-                 **{k: self.state.get(k) for k in ("val_loss_start", "val_loss", "train_loss")}}
+        state = self._trainer_state()
         path = self.checkpointer.root / step_dir_name(step)
         for tries in range(2 if final else 1):  # the last save gets one retry: no later interval comes
             t0 = time.perf_counter()
@@ -303,6 +313,31 @@ class Trainer:
                 return
         if final:
             self.final_save_failed = {"step": step, "error": outcome.result}
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """What a resume needs besides model, optimizer and RNG: a disk checkpoint's trainer.json and an
+        in-memory snapshot hold this same dict (plus the step), so the two cannot drift apart."""
+        return {"loader": self.loader.state_dict(), "model_args": dataclasses.asdict(self.args),
+                "world_size": self.env.world_size, "numerics_recent": list(self.guard.recent),
+                **{k: self.state.get(k) for k in ("val_loss_start", "val_loss", "train_loss")}}
+
+    def _snapshot(self, step: int, step_seconds: float) -> None:
+        """An in-memory snapshot of `step` (memory_checkpoint.py); under `auto`, the first few measure
+        what one costs against the step time, and the interval is chosen and said once."""
+        blocked = self.snapshots.take(step, self.model, self.optimizer, self._trainer_state())
+        chosen = self.snapshots.measured(blocked, step_seconds, warm=step > self.state.get("resumed_step", 0) + 1)
+        if chosen is not None:
+            self._emit("memory_snapshot_interval", step=step, **chosen)
+            self.progress.log(f"in-memory snapshots every {chosen['interval']} step(s): one blocks "
+                              f"{chosen['snapshot_ms']:.1f} ms, {chosen['percent']:.2f}% of a "
+                              f"{chosen['step_ms']:.0f} ms step")
+
+    def _say(self, line: str) -> None:
+        progress = getattr(self, "progress", None)
+        if progress is not None and self.env.is_main:
+            progress.log(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def _stop_preempted(self, step: int) -> None:
         """SIGTERM: every rank has finished `step`; save it (unless its interval save already did), say
@@ -322,6 +357,7 @@ class Trainer:
         else:
             self.progress.log(f"SIGTERM: stopped after step {step}, but its checkpoint could not be saved; "
                               f"the run resumes from {self.last_checkpoint or 'step 0'}")
+        self.snapshots.close()
         self.heartbeat.beat("done", step)
         self.sink.close()
         self.rank_sink.close()
@@ -346,13 +382,37 @@ class Trainer:
         check_model_shape(path, dataclasses.asdict(self.args))
         self.heartbeat.beat("checkpoint")
         t0 = time.perf_counter()
-        self.state = self.checkpointer.load(path, self.model, self.optimizer)
+        self._resumed(self.checkpointer.load(path, self.model, self.optimizer))
+        self.last_checkpoint = str(path)
+        self._emit("checkpoint_loaded", step=self.state["step"], seconds=time.perf_counter() - t0, path=str(path),
+                   source="disk")
+        return self.state["step"]
+
+    def _resume_memory(self, path: Path | None) -> int | None:
+        """Resume from the newest in-memory snapshot every rank has, if newer than checkpoint `path`; its
+        step, or None to resume from disk. The snapshots are this launch's own (memory_checkpoint.py)."""
+        if self.config.checkpoint.memory_interval == 0:
+            return None
+        self.heartbeat.beat("checkpoint")
+        disk_step = int(read_trainer_state(path)["step"]) if path is not None else 0
+        loaded = self.snapshots.resume(self.model, self.optimizer, disk_step, dataclasses.asdict(self.args))
+        if loaded is None:
+            return None
+        self._resumed(loaded.state)
+        self.last_checkpoint = str(path) if path is not None else None  # the newest on disk, as before
+        self._emit("checkpoint_loaded", step=loaded.step, seconds=loaded.seconds, path=str(loaded.path),
+                   source="memory", disk_step=disk_step)
+        notice(f"resuming from the in-memory snapshot of step {loaded.step} (newest checkpoint on disk: "
+               f"{f'step {disk_step}' if path is not None else 'none'})", self.env.is_main)
+        return loaded.step
+
+    def _resumed(self, state: dict[str, Any]) -> None:
+        """The trainer state a checkpoint or snapshot restored (the model, optimizer and RNG already are)."""
+        self.state = state
         self.loader.load_state_dict(self.state["loader"])
         self.guard.reset(self.state.get("numerics_recent", []))
         self.state["resumed_step"] = self.state["step"]
-        self.last_checkpoint = str(path)
-        self._emit("checkpoint_loaded", step=self.state["step"], seconds=time.perf_counter() - t0, path=str(path))
-        return self.state["step"]
+        self.snapshots.discard_after(self.state["step"])
 
     def _rollback(self, step: int) -> bool:
         """Reload the newest checkpoint and replay from it, once per step; False means skip instead."""

@@ -12,9 +12,10 @@ from tests.helpers import losses_by_step, phalanx, train_json
 
 from phalanx.run.records import read_events
 
-# 60 steps of 2 ranks, a checkpoint every 10: the shape of the acceptance drill.
+# 60 steps of 2 ranks, a checkpoint every 10: the shape of the acceptance drill. Restarts resume
+# from disk here (no in-memory snapshots): these drills are about the checkpoints a restart falls back on.
 DRILL = ["train.max_steps=60", "train.eval_interval=30", "checkpoint.interval=10", "checkpoint.keep=10",
-         "safe.hang_floor_s=2", "--nproc", "2"]
+         "checkpoint.memory_interval=0", "safe.hang_floor_s=2", "--nproc", "2"]
 
 
 def named(args, name):

@@ -1,0 +1,74 @@
+"""Where in-memory snapshots live, as the node agent and the ranks both see them.
+
+A rank's snapshots (phalanx/train/memory_checkpoint.py writes and loads them) live in host shared
+memory, one directory per run and launch:
+
+    SHM/phalanx-snapshots-<hash of the run directory>-<node agent pid>/rank_<global rank>/step_N.pt
+
+with a JSON sidecar step_N.json written last (a snapshot counts once its sidecar is there). SHM is
+/dev/shm (tmpfs: it outlives the ranks, not the node), or the system temp directory where /dev/shm is
+not writable. Two runs, or two launches of one run, never share a directory, so a new launch never
+sees an older one's snapshots. The agent reads the newest step every rank has (what a restart resumes
+from when it is newer than the disk) and removes its launch's directory when the launch ends; a later
+launch removes those of launches whose agent is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from phalanx.run.lock import pid_alive
+
+DIR_PREFIX = "phalanx-snapshots-"
+
+
+def shm_root() -> Path:
+    return Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+
+
+def _run_key(run_dir: Path) -> str:
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def launch_dir(run_dir: Path, owner: int, root: Path | None = None) -> Path:
+    """The snapshot directory of run `run_dir` under the launch whose node agent is pid `owner`."""
+    return (root or shm_root()) / f"{DIR_PREFIX}{_run_key(run_dir)}-{owner}"
+
+
+def run_snapshot_dirs(run_dir: Path, root: Path | None = None) -> list[Path]:
+    """Every launch directory of this run that exists (any launch)."""
+    return sorted((root or shm_root()).glob(f"{DIR_PREFIX}{_run_key(run_dir)}-*"))
+
+
+def remove_stale(root: Path | None = None) -> list[Path]:
+    """Remove the snapshot directories of launches whose node agent is gone; returns them."""
+    removed = []
+    for path in (root or shm_root()).glob(f"{DIR_PREFIX}*-*"):
+        owner = path.name.rsplit("-", 1)[1]
+        if owner.isdigit() and not pid_alive(int(owner)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def complete_steps(rank_dir: Path) -> list[int]:
+    """The steps a rank directory holds a complete snapshot of (its sidecar written), oldest first."""
+    found = []
+    for side in Path(rank_dir).glob("step_*.json"):
+        stem = side.stem[len("step_"):]
+        if stem.isdigit() and side.with_suffix(".pt").is_file():
+            found.append(int(stem))
+    return sorted(found)
+
+
+def newest_common_step(run_dir: Path, owner: int) -> int | None:
+    """The newest step that every rank directory of this launch on this node has a complete snapshot of,
+    or None: for the node agent (pid `owner`), what a restart would resume from if it is newer than the
+    disk (the ranks still check layout and contents, and agree across nodes)."""
+    sets = [set(complete_steps(d)) for d in launch_dir(run_dir, owner).glob("rank_*")]
+    common = set.intersection(*sets) if sets else set()
+    return max(common) if common else None
