@@ -5,8 +5,8 @@ Two gloo ranks, the tiny preset at 8 x 128 tokens (the model of BENCHMARKS.md's 
 300 steps, a checkpoint every 25, with the fault schedule of issue 13's soak: 5 kills, 3 hangs, 3 NaN
 losses, a failed save, a corrupt checkpoint and 2 slow ranks. "before" starts every rank as a fresh
 interpreter and resumes from disk only (safe.warm_restarts=false checkpoint.memory_interval=0);
-"after" is the defaults plus an in-memory snapshot every step. Each run's losses are checked against a
-clean run's, bit for bit.
+"after" is warm restarts with an in-memory snapshot every step, "default" the defaults (warm restarts,
+snapshots at the interval `auto` picks). Each run's losses are checked against a clean run's, bit for bit.
 
 Per fault, from the run's events: fault to detection (a crash's last heartbeat, a hang's whole stall),
 detection to the first step after recovery, and steps redone.
@@ -31,6 +31,7 @@ MODES = {
     "clean": ["checkpoint.memory_interval=0"],
     "before": ["safe.warm_restarts=false", "checkpoint.memory_interval=0"],
     "after": ["safe.warm_restarts=true", "checkpoint.memory_interval=1"],
+    "default": [],  # warm restarts and checkpoint.memory_interval=auto
 }
 
 
