@@ -21,9 +21,10 @@ import multiprocessing.forkserver
 import os
 import signal
 
-# What the server imports before it forks anyone: the rank's entry and everything the trainer needs,
-# with what torch imports lazily on the way (building a model on the meta device imports dynamo, 0.8 s).
-PRELOAD = ["phalanx.train.worker", "phalanx.train.trainer", "torch._dynamo"]
+# What the server imports before it forks anyone: its SIGTERM setting (warm_server.py), the rank's entry
+# and everything the trainer needs, with what torch imports lazily on the way (building a model on the
+# meta device imports dynamo, 0.8 s).
+PRELOAD = ["phalanx.launch.warm_server", "phalanx.train.worker", "phalanx.train.trainer", "torch._dynamo"]
 
 
 def run_entry(module: str, function: str, *args: str) -> None:
@@ -42,10 +43,11 @@ def start_server() -> None:
 def stop_server() -> None:
     """Stop this process's fork server; the next start makes a fresh one. Its ranks are gone by now, but a
     rank stuck where no signal reaches it would keep the server's "alive" pipe open, so the server is
-    told to go by a signal rather than by that pipe alone. multiprocessing keeps the server private;
-    `_stop` is what its own tests stop it with (close the pipe, reap the process)."""
+    killed rather than told to go by that pipe alone (it ignores SIGTERM: warm_server.py).
+    multiprocessing keeps the server private; `_stop` is what its own tests stop it with (close the
+    pipe, reap the process)."""
     server = multiprocessing.forkserver._forkserver
     if server._forkserver_pid is not None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(server._forkserver_pid, signal.SIGTERM)
+            os.kill(server._forkserver_pid, signal.SIGKILL)
         server._stop()
