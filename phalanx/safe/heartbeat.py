@@ -144,7 +144,7 @@ class AgentWatch:
         exited = _exit_waiter(self.agent_pid)
         while True:
             if exited(self.interval):  # at once, where the kernel can tell (a zombie still looks alive)
-                self.on_gone(f"the node agent (pid {self.agent_pid}) exited")
+                self.on_gone(f"the node agent (pid {self.agent_pid}) is gone")
                 return
             reason = self.reason()
             if reason is not None:
