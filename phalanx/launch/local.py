@@ -26,23 +26,13 @@ from pathlib import Path
 
 from phalanx.config.schema import Config
 from phalanx.console import debug_enabled
-from phalanx.errors import (
-    PhalanxError,
-    RendezvousFailedError,
-    RestartsExhaustedError,
-    StoppedBySignal,
-)
+from phalanx.errors import PhalanxError, RendezvousFailedError, RestartsExhaustedError, StoppedBySignal
 from phalanx.launch.warm_ranks import run_entry, start_server, stop_server
 from phalanx.run.checkpoints import checkpoint_step, latest_checkpoint
 from phalanx.run.layout import RunDir
 from phalanx.run.records import JsonlEventSink
 from phalanx.run.snapshots import launch_dir, newest_common_step
-from phalanx.safe.heartbeat import (
-    ENV_FILE,
-    HeartbeatBoard,
-    board_path,
-    remove_stale_boards,
-)
+from phalanx.safe.heartbeat import ENV_FILE, HeartbeatBoard, board_path, remove_stale_boards
 from phalanx.safe.rank_guard import ENV_AGENT_PID, ENV_RUN_LOCK
 
 # The c10d rendezvous options a user may set (seconds), as torchrun's --rdzv-conf takes them.
@@ -118,14 +108,8 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     out (the job passes the node preflight of `safe.preflight` here)."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import (
-        SignalException,
-        _terminate_process_handler,
-    )
-    from torch.distributed.elastic.rendezvous import (
-        RendezvousError,
-        RendezvousParameters,
-    )
+    from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     from phalanx.safe.agent import PhalanxAgent

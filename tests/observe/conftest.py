@@ -6,8 +6,10 @@ scripts/start_postgres.sh and exports it); without it those tests are skipped, s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -47,7 +49,13 @@ def store_url(request, tmp_path) -> str:
     if not POSTGRES_URL:
         pytest.skip("no PostgreSQL server: set PHALANX_TEST_POSTGRES_URL (bash scripts/start_postgres.sh "
                     "starts one; .ci/run does)")
-    # A fresh database per test, so tests never see each other's runs.
+    with fresh_postgres_database() as url:  # a database per test: tests never see each other's runs
+        yield url
+
+
+@contextlib.contextmanager
+def fresh_postgres_database() -> Iterator[str]:
+    """A new, empty database on the PHALANX_TEST_POSTGRES_URL server (its URL), dropped afterwards."""
     import sqlalchemy as sa
 
     name = f"phalanx_{uuid.uuid4().hex[:12]}"
@@ -55,8 +63,9 @@ def store_url(request, tmp_path) -> str:
                              isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = POSTGRES_URL.rsplit("/", 1)[0] + "/" + name
-    yield url
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    try:
+        yield sa.engine.make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

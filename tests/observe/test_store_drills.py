@@ -93,18 +93,15 @@ def test_the_sqlite_store_deleted_then_made_immutable_mid_run(corpus, tmp_path):
 
 
 def test_a_postgres_outage_from_step_8_to_past_the_end(corpus, tmp_path):
-    from tests.observe.conftest import POSTGRES_URL
+    from tests.observe.conftest import POSTGRES_URL, fresh_postgres_database
 
     if not POSTGRES_URL:
         pytest.skip("no PostgreSQL server: set PHALANX_TEST_POSTGRES_URL")
-    import uuid
+    with fresh_postgres_database() as database:
+        run_the_outage_drill(corpus, tmp_path, sa.engine.make_url(database))
 
-    name = f"phalanx_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1),
-                             isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    server = sa.engine.make_url(POSTGRES_URL).set(database=name)
+
+def run_the_outage_drill(corpus: Path, tmp_path: Path, server: sa.engine.URL) -> None:
     relay = TcpRelay(server.host or "127.0.0.1", server.port or 5432).up()
     url = server.set(host="127.0.0.1", port=relay.port).render_as_string(hide_password=False)
     steps, root = 24, tmp_path / "runs"
@@ -127,6 +124,3 @@ def test_a_postgres_outage_from_step_8_to_past_the_end(corpus, tmp_path):
         relay.down()
         if proc.poll() is None:
             proc.kill()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()

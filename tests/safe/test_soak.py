@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -59,19 +58,12 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
 
 @pytest.fixture
 def postgres_db():
-    from tests.observe.conftest import POSTGRES_URL
+    from tests.observe.conftest import POSTGRES_URL, fresh_postgres_database
 
     if not POSTGRES_URL:
         pytest.skip("no PostgreSQL server: set PHALANX_TEST_POSTGRES_URL")
-    name = f"phalanx_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1),
-                             isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    yield sa.engine.make_url(POSTGRES_URL).set(database=name)
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    with fresh_postgres_database() as url:
+        yield sa.engine.make_url(url)
 
 
 def test_the_soak_meets_every_fault_and_ends_with_a_clean_runs_losses(corpus, runs_root, postgres_db):
