@@ -3,9 +3,10 @@
 A rank's snapshots (phalanx/train/memory_checkpoint.py writes and loads them) live in host shared
 memory, one directory per run and launch:
 
-    SHM/phalanx-snapshots-<hash of the run directory>-<node agent pid>/rank_<global rank>/step_N.pt
+    SHM/phalanx-snapshots-<hash of the run directory>-<node agent pid>/rank_<global rank>/slot_K.bin
 
-with a JSON sidecar step_N.json written last (a snapshot counts once its sidecar is there). SHM is
+three slot files per rank, reused, and a JSON sidecar step_N.json per snapshot naming its slot, written
+last (a snapshot counts once its sidecar is there). SHM is
 /dev/shm (tmpfs: it outlives the ranks, not the node), or the system temp directory where /dev/shm is
 not writable. Two runs, or two launches of one run, never share a directory, so a new launch never
 sees an older one's snapshots. The agent reads the newest step every rank has (what a restart resumes
@@ -60,7 +61,7 @@ def complete_steps(rank_dir: Path) -> list[int]:
     found = []
     for side in Path(rank_dir).glob("step_*.json"):
         stem = side.stem[len("step_"):]
-        if stem.isdigit() and side.with_suffix(".pt").is_file():
+        if stem.isdigit():
             found.append(int(stem))
     return sorted(found)
 

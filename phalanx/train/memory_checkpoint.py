@@ -15,10 +15,14 @@ What a snapshot holds is what a disk checkpoint holds, collected by the same cod
 state, checkpoint.py's model/optimizer state dicts and RNG states): this rank's local tensors (a DTensor
 as its local shard, with its global shape and placements to check on load), the trainer state as the
 JSON text a disk checkpoint's trainer.json holds, the layout and world size. It is taken on the training
-thread as a copy into host memory (the only part the step waits for) and written by a background thread:
-torch.save to a temporary name, os.replace, then a small JSON sidecar with the file's size and CRC-32,
-written last, which is what makes a snapshot count. The newest two are kept per rank. Loading verifies size and CRC
-and reads with torch.load(weights_only=True): a snapshot file never runs code.
+thread as one copy into a slot, a file in shared memory mapped into the rank and reused
+(snapshot_slots.py: raw bytes, no pickling), which is all the step waits for; a background thread then
+takes the slot's CRC-32 and writes the sidecar step_N.json (the slot, each tensor's place in it, the
+JSON parts, the CRC), last, which is what makes a snapshot count. A rank has three slots: the one being
+written and the two newest snapshots (a peer that dies mid-step may have finished one step fewer).
+Before a slot is overwritten its sidecar is removed, so no sidecar ever names torn bytes. Loading checks
+the sidecar's layout, the CRC, keys, shapes and placements, then copies the bytes into the model and
+optimizer: nothing in a snapshot is unpickled or run.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ import shutil
 import statistics
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -47,9 +50,10 @@ from phalanx.parallel.distributed import DistEnv
 from phalanx.run.snapshots import complete_steps, launch_dir, remove_stale
 from phalanx.safe.rank_guard import ENV_AGENT_PID
 from phalanx.train.checkpoint import STATE_DICT_OPTIONS, rng_state, set_rng_state
+from phalanx.train.snapshot_slots import Slot, entries_from_json, plan_layout
 
-KEEP = 2  # per rank: the newest may be half-written on one rank when a peer dies
-FORMAT = 1
+SLOTS = 3  # per rank: the two newest snapshots (a peer may have finished one step fewer) and one being written
+FORMAT = 2
 BUDGET = 0.02  # `auto`: a snapshot may cost this share of a step's time
 PROBES = 3  # `auto`: snapshots measured (every step) before the interval is chosen
 
@@ -148,8 +152,9 @@ class MemorySnapshots:
         self.interval = self.fixed  # None while `auto` still measures
         self.probes: list[tuple[float, float, float]] = []
         self.waited = 0.0
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._sized = False  # whether the room for snapshots was checked (at the first one)
+        self._size: int | None = None  # the bytes one snapshot takes (a slot's size), once the room is checked
+        self._slots: dict[int, Slot] = {}  # the slots mapped into this rank, by index
+        self._held: dict[int, int] = {}  # slot index -> the step whose sidecar names it
         self.pending: Future | None = None
         self.failed = False
         self._writer = None
@@ -157,6 +162,7 @@ class MemorySnapshots:
             remove_stale(self.dir.parent.parent)
         if self.fixed != 0:
             self.dir.mkdir(parents=True, exist_ok=True)
+            self._held = self._scan()  # a restarted rank's slots hold the previous attempt's snapshots
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="phalanx-snapshot", initializer=_lower_priority)
 
     def due(self, step: int) -> bool:
@@ -169,89 +175,93 @@ class MemorySnapshots:
     # -- taking -----------------------------------------------------------------------------------
     def take(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any],
              ) -> float:
-        """Copy this rank's state of `step` into host memory and hand it to the writer; the seconds the
-        training thread stood still for it (a previous write still running included)."""
+        """Copy this rank's state of `step` into a slot and hand its sealing (CRC, sidecar) to the writer;
+        the seconds the training thread stood still for it (a previous seal still running included)."""
         t0 = time.perf_counter()
         self._wait()
-        self.waited = time.perf_counter() - t0  # the previous write still running: the interval is too short
+        self.waited = time.perf_counter() - t0  # the previous seal still running: the interval is too short
         if self.failed:
             return self.waited
-        model_sd, optim_sd = model.state_dict(), {key: box[name] for key, box, name in _optim_entries(optimizer)}
-        with torch.no_grad():
-            payload = {
-                "format": FORMAT, "step": step, "rank": self.env.rank, **self.record,
-                "specs": {**{f"model.{k}": _spec(v) for k, v in model_sd.items()},
-                          **{f"optim.{k}": _spec(v) for k, v in optim_sd.items()}},
-                "model": {k: self._host_copy(f"model.{k}", v) for k, v in model_sd.items()},
-                "optim": {k: self._host_copy(f"optim.{k}", v) for k, v in optim_sd.items()},
-                "trainer": json.dumps({**trainer_state, "step": step}),  # exactly what trainer.json holds
-                "rng": rng_state(self.env.device),
-            }
-        if not self._sized and not self._room_for(payload):
+        model_sd = model.state_dict()
+        optim = {key: box[name] for key, box, name in _optim_entries(optimizer)}
+        tensors = {**{f"model.{k}": _local(v) for k, v in model_sd.items()},
+                   **{f"optim.{k}": _local(v) for k, v in optim.items() if isinstance(v, torch.Tensor)},
+                   **{f"rng.{k}": v for k, v in rng_state(self.env.device).items()}}
+        try:
+            entries, size = plan_layout(tensors)
+            if size != self._size and not self._room_for(size):
+                return time.perf_counter() - t0
+            index, slot = self._next_slot(size)
+            with torch.no_grad():
+                for entry, value in zip(entries, tensors.values()):
+                    slot.view(entry).copy_(value.detach(), non_blocking=value.device.type == "cuda")
+            sidecar = {"format": FORMAT, "step": step, "rank": self.env.rank, **self.record, "slot": index,
+                       "bytes": size, "tensors": [e.as_json() for e in entries],
+                       "specs": {**{f"model.{k}": _spec(v) for k, v in model_sd.items()},
+                                 **{f"optim.{k}": _spec(v) for k, v in optim.items()}},
+                       "values": {k: _encode(v) for k, v in optim.items() if not isinstance(v, torch.Tensor)},
+                       "trainer": json.dumps({**trainer_state, "step": step})}  # exactly what trainer.json holds
+        except (OSError, RuntimeError, TypeError, ValueError) as exc:  # /dev/shm full or gone, most likely
+            self._stop(exc)
             return time.perf_counter() - t0
         copied = None
         if self.env.device.type == "cuda":  # the copies were queued on the stream: the writer waits for them
             copied = torch.cuda.Event()
             copied.record()
-        self.pending = self._writer.submit(self._write, step, payload, copied)
+        self._held[index] = step
+        self.pending = self._writer.submit(self._seal, slot, sidecar, copied)
         return time.perf_counter() - t0
 
-    def _room_for(self, payload: dict[str, Any]) -> bool:
-        """Before the first write: whether the directory's file system holds KEEP + 1 snapshots of this
-        size (the newest kept two and one being written); if not, say so once and stop snapshots."""
-        size = sum(t.nbytes for part in ("model", "optim") for t in payload[part].values()
-                   if isinstance(t, torch.Tensor))
-        self._sized = True
-        free = shutil.disk_usage(self.dir.parent.parent).free
-        if free >= (KEEP + 1) * size:
+    def _room_for(self, size: int) -> bool:
+        """Before the first snapshot (or when the state's size changes): whether shared memory holds SLOTS
+        slots of `size` bytes beside what this rank's slots take already; if not, say so once and stop."""
+        taken = sum(p.stat().st_size for p in self.dir.glob("slot_*.bin"))
+        free = shutil.disk_usage(self.dir).free + taken
+        if free >= SLOTS * size:
+            self._size, self._slots = size, {}  # slots of another size are made again when next used
             return True
         self.failed = True
-        need = (KEEP + 1) * size / 2**20
         self.say(f"warning: rank {self.env.rank}: no in-memory snapshots: {self.dir.parent.parent} has "
-                 f"{free / 2**20:,.0f} MiB free, {KEEP + 1} snapshots of this rank need {need:,.0f} MiB; "
-                 "restarts resume from disk checkpoints")
+                 f"{free / 2**20:,.0f} MiB free, {SLOTS} snapshots of this rank need {SLOTS * size / 2**20:,.0f} "
+                 "MiB; restarts resume from disk checkpoints")
         return False
 
-    def _host_copy(self, key: str, value: Any) -> Any:
-        """`value` (a DTensor: its local shard) copied into this rank's host buffer for `key`. The buffers
-        are reused from snapshot to snapshot (the previous write has finished: take() waited for it), so
-        a snapshot costs a memory copy, not fresh pages; pinned under CUDA, so the copy does not block."""
-        if isinstance(value, DTensor):
-            value = value.to_local()
-        if not isinstance(value, torch.Tensor):
-            return value
-        value = value.detach()
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-            buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.device.type == "cuda")
-            self._buffers[key] = buffer
-        buffer.copy_(value, non_blocking=value.device.type == "cuda")
-        return buffer
+    def _next_slot(self, size: int) -> tuple[int, Slot]:
+        """A free slot, else the one holding the oldest snapshot, whose sidecar goes first: from here on
+        no sidecar names the bytes about to be overwritten."""
+        free = [i for i in range(SLOTS) if i not in self._held]
+        index = free[0] if free else min(self._held, key=self._held.get)
+        if index in self._held:
+            (self.dir / f"step_{self._held.pop(index):08d}.json").unlink(missing_ok=True)
+        slot = self._slots.get(index)
+        if slot is None:
+            slot = self._slots[index] = Slot(self.dir / f"slot_{index}.bin", size)
+            if self.env.device.type == "cuda":
+                slot.pin()
+        return index, slot
+
+    def _scan(self) -> dict[int, int]:
+        """Slot index -> step, from the sidecars in this rank's directory."""
+        held = {}
+        for step in self.steps():
+            try:
+                held[int(json.loads((self.dir / f"step_{step:08d}.json").read_text())["slot"])] = step
+            except (OSError, ValueError, KeyError, TypeError):
+                (self.dir / f"step_{step:08d}.json").unlink(missing_ok=True)  # names no slot we could reuse
+        return held
 
     def flush(self) -> None:
-        """Wait for the snapshot being written (for measurements and tests)."""
+        """Wait for the snapshot being sealed (for measurements, tests and a rollback)."""
         self._wait()
 
-    def _write(self, step: int, payload: dict[str, Any], copied: Any = None) -> None:
+    def _seal(self, slot: Slot, sidecar: dict[str, Any], copied: Any = None) -> None:
         if copied is not None:
             copied.synchronize()
-        final = self.dir / f"step_{step:08d}.pt"
-        tmp = self.dir / f".tmp-{final.name}"
-        try:
-            torch.save(payload, tmp)
-            digest = _crc32(tmp)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a half-written file would only hold shared memory
-            raise
-        os.replace(tmp, final)
-        side = final.with_suffix(".json")
-        tmp_side = self.dir / f".tmp-{side.name}"
-        tmp_side.write_text(json.dumps({"step": step, "crc32": digest, "bytes": final.stat().st_size,
-                                        **self.record}))
-        os.replace(tmp_side, side)  # last: now the snapshot counts
-        for old in self.steps()[:-KEEP]:
-            for path in (self.dir / f"step_{old:08d}.json", self.dir / f"step_{old:08d}.pt"):
-                path.unlink(missing_ok=True)
+        sidecar["crc32"] = slot.crc32()
+        side = self.dir / f"step_{sidecar['step']:08d}.json"
+        tmp = self.dir / f".tmp-{side.name}"
+        tmp.write_text(json.dumps(sidecar))
+        os.replace(tmp, side)  # last: now the snapshot counts
 
     def _wait(self) -> None:
         pending, self.pending = self.pending, None
@@ -259,11 +269,14 @@ class MemorySnapshots:
             return
         try:
             pending.result()
-        except Exception as exc:  # /dev/shm full, most likely (torch's writer raises RuntimeError for it):
-            self.failed = True  # say it once and train on without snapshots
-            reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
-            self.say(f"warning: rank {self.env.rank}: in-memory snapshots stop: cannot write to {self.dir} "
-                     f"({reason}); restarts resume from disk checkpoints")
+        except Exception as exc:  # /dev/shm full or gone: say it once and train on
+            self._stop(exc)
+
+    def _stop(self, exc: BaseException) -> None:
+        self.failed = True
+        reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+        self.say(f"warning: rank {self.env.rank}: in-memory snapshots stop: cannot write to {self.dir} "
+                 f"({reason}); restarts resume from disk checkpoints")
 
     def measured(self, blocked: float, step_seconds: float, warm: bool) -> dict[str, float] | None:
         """`auto`: record one snapshot's cost against its step's time (warm: not the first step after a
@@ -341,11 +354,10 @@ class MemorySnapshots:
                 if not any(errors := _gather(error)):
                     state = json.loads(loaded["trainer"])
                     set_rng_state(loaded["rng"], self.env.device)
-                    return Loaded(step, state, self.dir / f"step_{step:08d}.pt", time.perf_counter() - t0)
+                    return Loaded(step, state, self.dir / f"step_{step:08d}.json", time.perf_counter() - t0)
                 if any(e and e.startswith("applying") for e in errors):
                     # Some ranks hold part of it now: drop it so the restart does not try it again.
-                    for path in (self.dir / f"step_{step:08d}.json", self.dir / f"step_{step:08d}.pt"):
-                        path.unlink(missing_ok=True)
+                    self._drop(step)
                     raise RuntimeError(f"in-memory snapshot of step {step} could not be applied: "
                                        f"{next(e for e in errors if e)}")
             if self.env.is_main:
@@ -355,14 +367,21 @@ class MemorySnapshots:
         return None
 
     def _read(self, step: int) -> dict[str, Any]:
-        path = self.dir / f"step_{step:08d}.pt"
-        side = json.loads(path.with_suffix(".json").read_text())
-        if path.stat().st_size != side.get("bytes") or _crc32(path) != side.get("crc32"):
-            raise ValueError(f"{path.name} does not match its recorded size and CRC-32 (torn or overwritten)")
-        payload = torch.load(path, weights_only=True, map_location="cpu")
-        if payload.get("format") != FORMAT or payload.get("step") != step or payload.get("rank") != self.env.rank:
-            raise ValueError(f"{path.name} is not this rank's snapshot of step {step}")
-        return payload
+        """The snapshot of `step` as views into its slot, after checking its sidecar and the slot's CRC."""
+        side = json.loads((self.dir / f"step_{step:08d}.json").read_text())
+        if side.get("format") != FORMAT or side.get("step") != step or side.get("rank") != self.env.rank \
+                or side.get("slot") not in range(SLOTS):
+            raise ValueError(f"step_{step:08d}.json is not this rank's snapshot of step {step}")
+        slot = Slot(self.dir / f"slot_{side['slot']}.bin", int(side["bytes"]), create=False)
+        if slot.crc32() != side.get("crc32"):
+            raise ValueError(f"slot {side['slot']} does not match the CRC-32 recorded for step {step} "
+                             "(torn or overwritten)")
+        views = {e.key: slot.view(e) for e in entries_from_json(side["tensors"], slot.nbytes)}
+        part = {prefix: {k[len(prefix) + 1:]: v for k, v in views.items() if k.startswith(prefix + ".")}
+                for prefix in ("model", "optim", "rng")}
+        part["optim"].update({k: _decode(v) for k, v in side["values"].items()})
+        part["rng"] = {k: v.clone() for k, v in part["rng"].items()}  # torch's generators take no views
+        return {**part, "specs": side["specs"], "trainer": side["trainer"]}
 
     def _apply(self, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
         """Check every key, shape and placement first (nothing is changed on a mismatch), then copy."""
@@ -392,8 +411,12 @@ class MemorySnapshots:
             return
         self._wait()
         for newer in (s for s in self.steps() if s > step):
-            for path in (self.dir / f"step_{newer:08d}.json", self.dir / f"step_{newer:08d}.pt"):
-                path.unlink(missing_ok=True)
+            self._drop(newer)
+
+    def _drop(self, step: int) -> None:
+        """Forget the snapshot of `step`: its slot is free for the next one."""
+        (self.dir / f"step_{step:08d}.json").unlink(missing_ok=True)
+        self._held = {i: s for i, s in self._held.items() if s != step}
 
     def close(self) -> None:
         """Let a running write finish (so nothing writes after the directory is removed)."""
@@ -417,11 +440,21 @@ def _lower_priority() -> None:
         pass
 
 
-def _crc32(path: Path) -> int:
-    """A torn or bit-flipped file's check; CRC-32 rather than SHA-256 for speed (2.4x here: the writer
-    shares the cores with training). Safety against a crafted file is weights_only=True's job, not this."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _encode(value: Any) -> Any:
+    """An optimizer hyperparameter as JSON (a tuple, such as AdamW's betas, marked as one)."""
+    if isinstance(value, (tuple, list)):
+        items = [_encode(v) for v in value]
+        return {"tuple": items} if isinstance(value, tuple) else items
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a snapshot cannot hold an optimizer value of type {type(value).__name__}")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"tuple"}:
+        return tuple(_decode(v) for v in value["tuple"])
+    return [_decode(v) for v in value] if isinstance(value, list) else value

@@ -388,7 +388,7 @@ class Trainer:
                    source="disk")
         return self.state["step"]
 
-    def _resume_memory(self, path: Path | None) -> int | None:
+    def _resume_memory(self, path: Path | None, announce: bool = True) -> int | None:
         """Resume from the newest in-memory snapshot every rank has, if newer than checkpoint `path`; its
         step, or None to resume from disk. The snapshots are this launch's own (memory_checkpoint.py)."""
         if self.config.checkpoint.memory_interval == 0:
@@ -402,8 +402,9 @@ class Trainer:
         self.last_checkpoint = str(path) if path is not None else None  # the newest on disk, as before
         self._emit("checkpoint_loaded", step=loaded.step, seconds=loaded.seconds, path=str(loaded.path),
                    source="memory", disk_step=disk_step)
-        notice(f"resuming from the in-memory snapshot of step {loaded.step} (newest checkpoint on disk: "
-               f"{f'step {disk_step}' if path is not None else 'none'})", self.env.is_main)
+        if announce:
+            notice(f"resuming from the in-memory snapshot of step {loaded.step} (newest checkpoint on disk: "
+                   f"{f'step {disk_step}' if path is not None else 'none'})", self.env.is_main)
         return loaded.step
 
     def _resumed(self, state: dict[str, Any]) -> None:
@@ -415,16 +416,19 @@ class Trainer:
         self.snapshots.discard_after(self.state["step"])
 
     def _rollback(self, step: int) -> bool:
-        """Reload the newest checkpoint and replay from it, once per step; False means skip instead."""
+        """Go back to the newest sound state, an in-memory snapshot when one is newer than the newest
+        checkpoint on disk, and replay from it, once per step; False means skip the step instead."""
         if self.safe.numerics != "rollback" or step in self.rolled_back_at:
             return False
         self._report_save(self.checkpointer.finish(wait=True))  # the newest save counts too
         path = resume_path(self.config, self.env, self.events)  # verified, as for a restart
-        if path is None:
-            return False
-        self.rolled_back_at.add(step)
+        self.snapshots.flush()  # the newest snapshot's sidecar, so that it counts
         self.optimizer.zero_grad(set_to_none=True)
-        self._resume(path)
+        if self._resume_memory(path, announce=False) is None:  # (the rollback says its own line)
+            if path is None:
+                return False
+            self._resume(path)
+        self.rolled_back_at.add(step)
         self._emit("rollback", step=step, to_step=self.state["step"])
         self.progress.log(f"step {step}: numerics guard rolled back to step {self.state['step']}")
         return True

@@ -2,7 +2,8 @@
 
 Through the real launcher (2 gloo ranks under the node agent): a rank killed mid-interval resumes from
 the in-memory snapshot of the step before, not from disk, with every loss bit-identical to a clean run,
-and no snapshot directory is left once the run ends. In one process, with a real model and optimizer
+and no snapshot directory is left once the run ends; a NaN loss rolls back to the snapshot of the step
+before it, not to the disk. In one process, with a real model and optimizer
 and real files in /dev/shm: a snapshot restores exactly what it held, a torn file falls back to the
 older snapshot with one line, a snapshot of another layout is ignored with one line.
 """
@@ -66,6 +67,23 @@ def test_kill_resumes_from_the_in_memory_snapshot_bit_identically(clean):
     assert run_snapshot_dirs(run_dir) == []
 
 
+def test_a_nan_loss_rolls_back_to_the_snapshot_of_the_step_before(clean):
+    args, _, _, clean_losses = clean
+    nan = [{"fault": "nan", "rank": 1, "step": 8}]
+    summary, stderr = _train([*args, "run.name=memory-nan", *DRILL, "checkpoint.memory_interval=1",
+                              f"safe.inject={json.dumps(nan)}"])
+    run_dir = Path(summary["run_dir"])
+    assert summary["steps"] == 12 and summary["restarts"] == 0
+    assert losses_by_step(run_dir) == clean_losses  # the poisoned step replayed, bit for bit
+    events = read_events(run_dir)
+    rollback = next(e for e in events if e["kind"] == "rollback")
+    assert rollback["step"] == 8 and rollback["to_step"] == 7  # not step 0: no disk checkpoint yet
+    loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
+    assert len(loaded) == 1 and loaded[0]["source"] == "memory" and loaded[0]["step"] == 7
+    assert "step 8: numerics guard rolled back to step 7" in stderr
+    assert "resuming from the in-memory snapshot" not in stderr  # a rollback, not a restart
+
+
 # -- one process: the snapshot files themselves ------------------------------------------------------
 def _model_and_optimizer():
     torch.manual_seed(0)
@@ -111,7 +129,7 @@ def _taken(make, steps=3):
 def test_a_snapshot_restores_model_optimizer_rng_and_trainer_state(snapshots, tmp_path):
     make, lines = snapshots
     model, optimizer, writer, kept = _taken(make)
-    assert writer.steps() == [2, 3]  # the newest two are kept
+    assert writer.steps() == [1, 2, 3]  # three slots: each holds one
     _step(model, optimizer)
     torch.manual_seed(123)
     loaded = make().resume(model, optimizer, 0, {})
@@ -126,11 +144,16 @@ def test_a_snapshot_restores_model_optimizer_rng_and_trainer_state(snapshots, tm
     assert newest_common_step(tmp_path / "another-run", owner_pid()) is None
 
 
+def _slot_of(writer, step: int) -> Path:
+    return writer.dir / f"slot_{json.loads((writer.dir / f'step_{step:08d}.json').read_text())['slot']}.bin"
+
+
 def test_a_torn_snapshot_falls_back_to_the_older_one_with_one_line(snapshots):
     make, lines = snapshots
     model, optimizer, writer, kept = _taken(make)
-    newest = writer.dir / "step_00000003.pt"
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    slot = _slot_of(writer, 3)
+    with open(slot, "r+b") as f:  # half of it overwritten, as a copy cut short would leave it
+        f.write(bytes(slot.stat().st_size // 2))
     loaded = make().resume(model, optimizer, 0, {})
     assert loaded.step == 2
     assert all(torch.equal(a, b) for a, b in zip(kept[2][0], model.parameters()))
@@ -140,14 +163,25 @@ def test_a_torn_snapshot_falls_back_to_the_older_one_with_one_line(snapshots):
 def test_an_unloadable_snapshot_is_skipped_without_a_traceback(snapshots):
     make, lines = snapshots
     model, optimizer, writer, _ = _taken(make, steps=2)
-    for step in (1, 2):  # garbage with a matching size and CRC: torch.load itself refuses it
-        path = writer.dir / f"step_{step:08d}.pt"
-        path.write_bytes(b"not a torch file")
-        side = path.with_suffix(".json")
-        record = json.loads(side.read_text())
-        side.write_text(json.dumps({**record, "bytes": 16, "crc32": zlib.crc32(b"not a torch file")}))
+    side = writer.dir / "step_00000002.json"  # a layout reading past its slot (the CRC matches)
+    record = json.loads(side.read_text())
+    record["tensors"][0][1] = record["bytes"]
+    side.write_text(json.dumps(record))
+    side = writer.dir / "step_00000001.json"  # a slot the rank does not have
+    side.write_text(json.dumps({**json.loads(side.read_text()), "slot": 7}))
     assert make().resume(model, optimizer, 0, {}) is None  # nothing usable: disk (or step 0)
     assert len(lines) == 2 and all("unusable" in line for line in lines)
+    assert "do not fit the slot" in lines[0] and "not this rank's snapshot" in lines[1]
+
+
+def test_a_snapshot_holds_raw_bytes_and_json_only(snapshots):
+    """Nothing in a snapshot is unpickled: its files are a flat slot and a JSON sidecar."""
+    make, _ = snapshots
+    _, _, writer, _ = _taken(make, steps=1)
+    assert sorted(p.name for p in writer.dir.iterdir()) == ["slot_0.bin", "step_00000001.json"]
+    record = json.loads((writer.dir / "step_00000001.json").read_text())
+    assert record["values"]["group.0.betas"] == {"tuple": [0.9, 0.999]}
+    assert record["crc32"] == zlib.crc32((writer.dir / "slot_0.bin").read_bytes())
 
 
 def test_a_snapshot_of_another_layout_is_ignored_with_one_line(snapshots):
@@ -155,7 +189,7 @@ def test_a_snapshot_of_another_layout_is_ignored_with_one_line(snapshots):
     model, optimizer, _, _ = _taken(make)
     reader = make(layout={"tp": 2})
     assert reader.resume(model, optimizer, 0, {}) is None
-    assert lines == [("warning: in-memory snapshots ignored (steps 2, 3: taken under {'layout': {'tp': 1}}, "
+    assert lines == [("warning: in-memory snapshots ignored (steps 1, 2, 3: taken under {'layout': {'tp': 1}}, "
                       "this group has {'layout': {'tp': 2}})")]
 
 
@@ -167,7 +201,7 @@ def test_a_snapshot_of_another_model_shape_is_not_loaded(snapshots):
     before = [p.detach().clone() for p in other.parameters()]
     assert make().resume(other, optimizer, 0, {}) is None
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # untouched
-    assert len(lines) == 2 and "was saved as" in lines[0]
+    assert len(lines) == 3 and "was saved as" in lines[0]
 
 
 def test_a_rank_that_cannot_write_snapshots_says_so_once_and_trains_on(snapshots):
