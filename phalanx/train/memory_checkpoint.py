@@ -189,9 +189,9 @@ class MemorySnapshots:
                    **{f"rng.{k}": v for k, v in rng_state(self.env.device).items()}}
         try:
             entries, size = plan_layout(tensors)
-            if size != self._size and not self._room_for(size):
+            if size != self._size and not self._prepare(size):
                 return time.perf_counter() - t0
-            index, slot = self._next_slot(size)
+            index, slot = self._next_slot()
             with torch.no_grad():
                 for entry, value in zip(entries, tensors.values()):
                     slot.view(entry).copy_(value.detach(), non_blocking=value.device.type == "cuda")
@@ -212,33 +212,36 @@ class MemorySnapshots:
         self.pending = self._writer.submit(self._seal, slot, sidecar, copied)
         return time.perf_counter() - t0
 
-    def _room_for(self, size: int) -> bool:
+    def _prepare(self, size: int) -> bool:
         """Before the first snapshot (or when the state's size changes): whether shared memory holds SLOTS
-        slots of `size` bytes beside what this rank's slots take already; if not, say so once and stop."""
+        slots of `size` bytes beside what this rank's slots take already; if so, make and map them all
+        now (so that `auto` measures copies, not first mappings), else say so once and stop."""
         taken = sum(p.stat().st_size for p in self.dir.glob("slot_*.bin"))
         free = shutil.disk_usage(self.dir).free + taken
-        if free >= SLOTS * size:
-            self._size, self._slots = size, {}  # slots of another size are made again when next used
-            return True
-        self.failed = True
-        self.say(f"warning: rank {self.env.rank}: no in-memory snapshots: {self.dir.parent.parent} has "
-                 f"{free / 2**20:,.0f} MiB free, {SLOTS} snapshots of this rank need {SLOTS * size / 2**20:,.0f} "
-                 "MiB; restarts resume from disk checkpoints")
-        return False
+        if free < SLOTS * size:
+            self.failed = True
+            self.say(f"warning: rank {self.env.rank}: no in-memory snapshots: {self.dir.parent.parent} has "
+                     f"{free / 2**20:,.0f} MiB free, {SLOTS} snapshots of this rank need "
+                     f"{SLOTS * size / 2**20:,.0f} MiB; restarts resume from disk checkpoints")
+            return False
+        for index in range(SLOTS):
+            path = self.dir / f"slot_{index}.bin"
+            if index in self._held and (not path.is_file() or path.stat().st_size != size):
+                self._drop(self._held[index])  # a slot made again at another size holds its snapshot no more
+            self._slots[index] = Slot(path, size)
+            if self.env.device.type == "cuda":
+                self._slots[index].pin()
+        self._size = size
+        return True
 
-    def _next_slot(self, size: int) -> tuple[int, Slot]:
+    def _next_slot(self) -> tuple[int, Slot]:
         """A free slot, else the one holding the oldest snapshot, whose sidecar goes first: from here on
         no sidecar names the bytes about to be overwritten."""
         free = [i for i in range(SLOTS) if i not in self._held]
         index = free[0] if free else min(self._held, key=self._held.get)
         if index in self._held:
-            (self.dir / f"step_{self._held.pop(index):08d}.json").unlink(missing_ok=True)
-        slot = self._slots.get(index)
-        if slot is None:
-            slot = self._slots[index] = Slot(self.dir / f"slot_{index}.bin", size)
-            if self.env.device.type == "cuda":
-                slot.pin()
-        return index, slot
+            self._drop(self._held[index])
+        return index, self._slots[index]
 
     def _scan(self) -> dict[int, int]:
         """Slot index -> step, from the sidecars in this rank's directory."""

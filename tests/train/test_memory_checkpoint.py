@@ -178,7 +178,8 @@ def test_a_snapshot_holds_raw_bytes_and_json_only(snapshots):
     """Nothing in a snapshot is unpickled: its files are a flat slot and a JSON sidecar."""
     make, _ = snapshots
     _, _, writer, _ = _taken(make, steps=1)
-    assert sorted(p.name for p in writer.dir.iterdir()) == ["slot_0.bin", "step_00000001.json"]
+    assert sorted(p.name for p in writer.dir.iterdir()) == ["slot_0.bin", "slot_1.bin", "slot_2.bin",
+                                                            "step_00000001.json"]
     record = json.loads((writer.dir / "step_00000001.json").read_text())
     assert record["values"]["group.0.betas"] == {"tuple": [0.9, 0.999]}
     assert record["crc32"] == zlib.crc32((writer.dir / "slot_0.bin").read_bytes())
