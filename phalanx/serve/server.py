@@ -18,6 +18,7 @@ from phalanx.listen import bind, is_loopback
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENGINES = ("torch", "llamacpp")
+QUANTIZE = ("none", "int8")
 
 
 def check_listen(host: str, api_key: str | None) -> None:
@@ -27,15 +28,20 @@ def check_listen(host: str, api_key: str | None) -> None:
                            "the model; pass --api-key KEY (or set PHALANX_API_KEY), or keep --host 127.0.0.1")
 
 
-def pick_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """The trainer's choice (parallel/device.py): the GPU with bf16 if there is one, else CPU in float32."""
+def pick_device(device: str, dtype: str, quantize: str = "none") -> tuple[torch.device, torch.dtype]:
+    """The trainer's choice (parallel/device.py): the GPU with bf16 if there is one, else CPU in float32;
+    int8 weights compute in bfloat16 (int8_weights.py)."""
     from phalanx.parallel.device import compute_dtype
     from phalanx.parallel.device import pick_device as pick_torch_device
 
     if device not in ("auto", "cpu", "cuda") or dtype not in ("auto", *DTYPES):
         raise PhalanxError(f"--device must be auto|cpu|cuda and --dtype auto|{'|'.join(DTYPES)} "
                            f"(got {device}, {dtype})")
+    if quantize not in QUANTIZE:
+        raise PhalanxError(f"--quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
     torch_device = pick_torch_device(device)
+    if quantize == "int8" and dtype == "auto":
+        dtype = "bfloat16"
     return torch_device, compute_dtype(dtype, torch_device)
 
 
@@ -59,7 +65,8 @@ def build_engine(kind: str, served, slots: int, max_queue: int, context: int | N
 
 def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str | None, slots: int,
           max_queue: int, context: int | None, device: str, dtype: str, threads: int | None = None,
-          log_level: str = "info", allowed_hosts: tuple[str, ...] = (), engine_kind: str = "torch") -> None:
+          log_level: str = "info", allowed_hosts: tuple[str, ...] = (), engine_kind: str = "torch",
+          quantize: str = "none") -> None:
     import uvicorn
 
     from phalanx.serve.app import create_app
@@ -69,12 +76,19 @@ def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str
     check_listen(host, api_key)
     if engine_kind not in ENGINES:
         raise PhalanxError(f"--engine must be one of {', '.join(ENGINES)}, not {engine_kind!r}")
-    torch_device, torch_dtype = pick_device(device, dtype)
+    if quantize != "none" and engine_kind != "torch":
+        raise PhalanxError(f"--quantize is for the torch engine; --engine {engine_kind} serves the GGUF's own "
+                           "weight types (phalanx export --format gguf --dtype q8_0 ...)")
+    torch_device, torch_dtype = pick_device(device, dtype, quantize)
     if threads is not None:
         # On a CPU shared with other work, fewer threads than cores avoid stalls at every op's barrier.
         torch.set_num_threads(threads)
     sock = bind(host, port)
     served = load_served_model(path, torch_device, torch_dtype, name=model_name)
+    if quantize == "int8":
+        from phalanx.serve.int8_weights import quantize_linear_weights
+
+        quantize_linear_weights(served.loaded.model)
     max_seq_len = served.loaded.model.args.max_seq_len
     if context is not None and context > max_seq_len:
         raise PhalanxError(f"--context {context} is longer than the model's max_seq_len {max_seq_len}")
@@ -83,7 +97,8 @@ def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str
     app = create_app(served, engine, metrics, api_key=api_key, allowed_hosts=server_hosts(host, allowed_hosts))
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    runs_on = f"{torch_dtype}, {torch_device}" if engine_kind == "torch" else "llama.cpp, cpu"
+    runs_on = f"{torch_dtype}{', int8 weights' if quantize == 'int8' else ''}, {torch_device}" \
+        if engine_kind == "torch" else "llama.cpp, cpu"
     print(f"phalanx serve: model '{served.name}' ({served.parameters / 1e6:.1f}M parameters, {runs_on}), {slots} slots x {engine.context} tokens, KV cache "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB, queue {max_queue}, {torch.get_num_threads()} threads"
           f"{', API key required' if api_key else ''}", flush=True)
