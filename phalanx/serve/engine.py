@@ -1,9 +1,14 @@
 """The inference engine: continuous batching over a preallocated KV cache.
 
 One background thread owns the model. The cache holds `slots` rows of `context` positions, allocated
-once. A request waits in a bounded queue until a slot is free; at the next step boundary it joins: its
-prompt is prefilled alone into a cache row, then every step decodes one token for all running requests
-in a single batched forward, each row at its own position. Finished rows free their slot at once.
+once. A request waits in a bounded queue until a slot is free; at the next step boundary it joins: the
+prompts joining at one boundary are prefilled together, in one forward pass over all their tokens with
+each prompt attending only to its own (prefill.py), each into its own cache row, and their first tokens
+come out together; then every step decodes one token for all running requests in a single batched
+forward, each row at its own position. Finished rows free their slot at once. One boundary takes at most
+MAX_PREFILL_TOKENS prompt tokens (a longer prompt alone still joins), so a burst joins over several
+boundaries with a decode step between each: first tokens come out pass by pass, and running rows are
+never stalled for a whole burst's prefill.
 
 A decode step is sized to what runs, not to the server (on CPU, where it can be proven row-invariant):
 running requests keep the low rows of the cache packed (a leaving request's row is refilled by moving
@@ -14,12 +19,14 @@ one request on a 16-slot server decodes one row over its own length, and the few
 any shape cache (oneDNN's primitives, a compiled graph) small.
 
 Greedy decoding gives a request the same tokens alone as in a busy batch because each row's math never
-sees its neighbours or the step's width: the prefill always runs alone (same shapes, same data); the
-linear layers run through oneDNN on packed weights (row_invariant.py), whose rows are the same bits at
-any batch size, where MKL's are not; the attention of batched decoding is spelt out row by row
-(Attention.attend_rows), and positions beyond a row's length weigh exactly 0 whatever the span. Where
-that cannot be had (a GPU, another dtype) every step keeps today's full shape, (slots, 1) over the whole
-context, idle rows padded. Sampling is per row, with the request's own generator.
+sees its neighbours or the step's width: the linear layers run through oneDNN on packed weights
+(row_invariant.py), whose rows are the same bits at any batch size, where MKL's are not; a prompt's
+attention in a batched prefill is the very call its prefill alone makes; the attention of batched
+decoding is spelt out row by row (Attention.attend_rows), and positions beyond a row's length weigh
+exactly 0 whatever the span. Where that cannot be had (a GPU, another dtype) every step keeps today's
+full shape, (slots, 1) over the whole context, idle rows padded; and where tall products are not
+row-invariant (bf16 on this CPU: batched_prefill) each prompt is prefilled alone through the model's own
+forward. Sampling is per row, with the request's own generator.
 
 Callers hold a RequestStream: text pieces as they are decoded (whole characters, never part of a stop
 string), then one Finish with the reason and the counts and timings.
@@ -53,6 +60,7 @@ from tokenizers import Tokenizer
 from phalanx.data.tokenizer import special_ids
 from phalanx.models.llama import KVCache, Transformer
 from phalanx.serve.options import SamplingOptions
+from phalanx.serve.prefill import MAX_PREFILL_TOKENS, prefill_rows_agree, prefill_together
 from phalanx.serve.row_invariant import make_rows_invariant
 from phalanx.serve.sampler import RequestSampler
 from phalanx.serve.structured_output import TokenConstraint, TokenVocabulary
@@ -276,10 +284,13 @@ class SlotScheduler(TokenOutput):
     """Continuous batching over `slots`, the same for every engine: the bounded queue, submit's checks,
     the background thread joining waiting requests into free slots at each step boundary, cancellation,
     shut-down and how a request ends. An engine sets slots, max_queue, context and thread_name, calls
-    _init_queue(), and supplies _join(slot, request) and _step(); _release(slot), _thread_starts() and
-    _thread_ends() are its hooks for its own cache and resources."""
+    _init_queue(), and supplies _join(slot, request) (or _join_all(pending), the requests joining at one
+    boundary) and _step(); _release(slot), _thread_starts() and _thread_ends() are its hooks for its own
+    cache and resources. prefill_budget: prompt tokens joining at one boundary (beyond the first
+    request's); the rest join at the next, after a decode step."""
 
     thread_name = "phalanx-engine"
+    prefill_budget: float = float("inf")
 
     def _init_queue(self) -> None:
         self._cond = threading.Condition()
@@ -293,6 +304,12 @@ class SlotScheduler(TokenOutput):
 
     def _thread_ends(self) -> None:
         pass
+
+    def _join_all(self, pending: deque) -> None:
+        """Start the requests joining at this boundary, taking each from `pending` as it starts (what is
+        left there when this raises has not started)."""
+        while pending:
+            self._join(*pending.popleft())
 
     def _release(self, slot: int) -> None:
         """A finished request's slot: what the engine's cache must forget of it."""
@@ -374,14 +391,16 @@ class SlotScheduler(TokenOutput):
                     self._cond.wait()
                 if self._stopping:
                     break
-                joining = []
+                joining, tokens = [], 0
                 free = [s for s in range(self.slots) if s not in self._active]
                 while self._waiting and len(joining) < len(free):
+                    tokens += len(self._waiting[0].prompt_ids)
+                    if joining and tokens > self.prefill_budget:
+                        break
                     joining.append(self._waiting.popleft())
             pending = deque(zip(free, joining))
             try:
-                while pending:
-                    self._join(*pending.popleft())
+                self._join_all(pending)
                 for run in [r for r in self._active.values() if r.request.stream.cancelled]:
                     self._finish(run, "cancelled")
                 if self._active:
@@ -440,8 +459,12 @@ class Engine(SlotScheduler):
         weight = model.tok_embeddings.weight
         self.device = weight.device
         self.cache = KVCache(args, slots, self.context, dtype=weight.dtype, device=self.device)
-        # Steps sized to the running requests only where each row is then provably the same bits.
+        # Steps sized to the running requests only where each row is then provably the same bits; prompts
+        # prefilled together only where tall products keep them so too (prefill.py).
         self.sized_steps = make_rows_invariant(self.model)
+        self.batched_prefill = self.sized_steps and prefill_rows_agree(self.model)
+        # A burst of long prompts joins over several boundaries, a decode step between each (prefill.py).
+        self.prefill_budget = MAX_PREFILL_TOKENS if self.batched_prefill else float("inf")
         self._rows: dict[int, int] = {}  # slot -> its cache row; running requests hold rows 0..n-1
         self.observer = observer
         self._init_queue()
@@ -468,17 +491,51 @@ class Engine(SlotScheduler):
             v[row, :, :live] = v[len(self._rows), :, :live]
         self._rows[last_slot] = row
 
-    def _join(self, slot: int, request: _Request) -> None:
-        """Prefill a new request alone into the next free row and take its first token."""
+    def _join_all(self, pending: deque) -> None:
+        """Start the requests joining at this boundary and take their first tokens: their prompts prefilled
+        together in one pass where that is each prompt's own bits (batched_prefill), else one at a time."""
+        runs = [run for run in (self._start(*pending.popleft()) for _ in range(len(pending))) if run]
+        for group in [runs] if self.batched_prefill else [[run] for run in runs]:
+            if not group:
+                continue
+            started = time.perf_counter()
+            for run in group:
+                run.prefill_started_at = started
+            try:
+                logits_NV = self._prefill(group)
+            except Exception as e:  # the prefill itself: fail the requests in it, keep serving
+                log.exception("prefill failed")
+                for run in group:
+                    self._finish(run, "error", f"generation failed: {e}")
+                continue
+            for run, logits_V in zip(group, logits_NV):  # each on its own: a bad sample fails that request alone
+                try:
+                    if self.observer:
+                        self.observer.prompt_prefilled(len(run.request.prompt_ids))
+                    self._take(run, run.sampler.pick(logits_V, run.request.constraint), logits_V)
+                except Exception as e:
+                    log.exception("first token failed")
+                    self._finish(run, "error", f"generation failed: {e}")
+
+    def _prefill(self, group: list[_Running]) -> torch.Tensor:
+        """Each run's prompt into its cache row; the logits (n, V) of each prompt's last token."""
+        if self.batched_prefill:
+            return prefill_together(self.model, [run.request.prompt_ids for run in group], self.cache,
+                                    [self._rows[run.slot] for run in group])
+        (run,) = group  # one at a time, through the model's own forward
+        prompt_1T = torch.tensor([run.request.prompt_ids], dtype=torch.long, device=self.device)
+        return self.model(prompt_1T, _SlotCache(self.cache, self._rows[run.slot]), start_pos=0)[:, -1]
+
+    def _start(self, slot: int, request: _Request) -> _Running | None:
+        """A joining request's running state in the next free cache row; None if it ends before a prefill."""
         if request.stream.cancelled:
             return self._finish_unstarted(request, "cancelled")
         if request.limit == 0:
             return self._finish_unstarted(request, "length")
-        started = time.perf_counter()
         try:
             run = _Running(request, slot, len(request.prompt_ids),
                            RequestSampler(request.options, request.prompt_ids, self.context, self.device),
-                           IncrementalText(self.tokenizer), StopMatcher(request.options.stop), started,
+                           IncrementalText(self.tokenizer), StopMatcher(request.options.stop), time.perf_counter(),
                            logprobs=None if request.top_logprobs is None else [])
         except Exception as e:  # options no validation caught (a seed torch cannot take, say)
             log.exception("request set-up failed")
@@ -486,15 +543,7 @@ class Engine(SlotScheduler):
         with self._cond:
             self._active[slot] = run
         self._rows[slot] = len(self._rows)
-        try:
-            prompt_1T = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
-            logits_V = self.model(prompt_1T, _SlotCache(self.cache, self._rows[slot]), start_pos=0)[0, -1]
-            if self.observer:
-                self.observer.prompt_prefilled(len(request.prompt_ids))
-            self._take(run, run.sampler.pick(logits_V, request.constraint), logits_V)
-        except Exception as e:  # a broken request must not take the server down
-            log.exception("prefill failed")
-            self._finish(run, "error", f"generation failed: {e}")
+        return run
 
     def _step(self) -> None:
         runs = list(self._active.values())
