@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
                                    help="torch (phalanx's engine) or llamacpp (llama.cpp on a GGUF export)."),
         quantize: str = typer.Option("none", "--quantize",
                                      help="none, or int8: weight-only int8 with bfloat16 activations (torch "
-                                          "engine, CPU; faster at few streams, slower prefill)."),
+                                          "engine, CPU; half of bf16's weight memory)."),
         log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level (warning: no access log)."),
         allowed_hosts: list[str] = typer.Option([], "--allowed-host", metavar="NAME", envvar="PHALANX_ALLOWED_HOSTS",
                                                 help="A Host name to answer besides loopback names, IP addresses "

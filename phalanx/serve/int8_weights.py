@@ -2,11 +2,12 @@
 
 Each linear layer's weight is kept as int8 with one scale per output row (symmetric: w ~ q * s, q in
 -127..127, s = max |w| of the row / 127) and multiplied by torch's own int8-weight kernel
-(aten._weight_int8pack_mm) against bfloat16 activations. Decoding a few rows is bound by reading the
-weights, so a quarter of fp32's bytes pays: a 768 x 3072 layer at one row took 0.17 ms against 0.39 ms
-in bf16 and 0.41 ms in fp32 on the CI machine; from about 16 rows on, the kernel is slower than bf16's
-(1.2 ms against 0.4 at 16 rows), so prefill of long prompts costs more. The kernel's fp32 path is a slow
-reference (40x its bf16 time), so int8 weights serve with bfloat16 activations.
+(aten._weight_int8pack_mm) against bfloat16 activations. What it buys is memory: a linear weight takes a
+quarter of its fp32 bytes and half of bf16's (the engine's packed bf16 layers keep a second copy of
+theirs, row_invariant.py). Speed, measured in the engine on the 125m shape (bench/serve_int8_bench.py,
+BENCHMARKS.md): about bf16's at one stream and 1.4x fp32's, but half of bf16's at 16 streams, since the
+kernel's time grows with the rows while oneDNN's bf16 product hardly does; the kernel's fp32 path is a
+slow reference (40x its bf16 time), so int8 weights always serve with bfloat16 activations.
 
 The kernel needs the reduction (in_features) to be a multiple of 16: torch 2.13's CPU kernel reads out
 of bounds (a segmentation fault) otherwise, so such layers keep their bf16 weights. Sized decode steps
