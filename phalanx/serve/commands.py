@@ -67,8 +67,8 @@ def register(app: typer.Typer) -> None:
         context: Optional[int] = typer.Option(None, "--context", min=2,
                                               help="Tokens per slot (default: the model's max_seq_len)."),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-        dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on GPU, float32 on CPU), float32, "
-                                                          "bfloat16 or float16."),
+        dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on GPU and on CPUs with bf16 units, "
+                                                          "else float32), float32, bfloat16 or float16."),
         threads: Optional[int] = typer.Option(None, "--threads", min=1,
                                               help="CPU threads for the model (default: torch's, one per core)."),
         engine: str = typer.Option("torch", "--engine",

@@ -28,9 +28,12 @@ def check_listen(host: str, api_key: str | None) -> None:
                            "the model; pass --api-key KEY (or set PHALANX_API_KEY), or keep --host 127.0.0.1")
 
 
-def pick_device(device: str, dtype: str, quantize: str = "none") -> tuple[torch.device, torch.dtype]:
-    """The trainer's choice (parallel/device.py): the GPU with bf16 if there is one, else CPU in float32;
-    int8 weights compute in bfloat16 (int8_weights.py)."""
+def pick_device(device: str, dtype: str, quantize: str = "none", serving: bool = False,
+                ) -> tuple[torch.device, torch.dtype]:
+    """The trainer's choice (parallel/device.py): the GPU with bf16 if there is one, else CPU in float32.
+    For a server (`serving`), `auto` on a CPU with bf16 matrix units is bfloat16 too: decoding there ran
+    1.4-1.5x float32's tokens/s at 1 to 16 streams (BENCHMARKS.md), and greedy tokens stay the same alone
+    and in a batch (the engine checks its bf16 rows at start). int8 weights compute in bfloat16."""
     from phalanx.parallel.device import compute_dtype
     from phalanx.parallel.device import pick_device as pick_torch_device
 
@@ -40,9 +43,15 @@ def pick_device(device: str, dtype: str, quantize: str = "none") -> tuple[torch.
     if quantize not in QUANTIZE:
         raise PhalanxError(f"--quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
     torch_device = pick_torch_device(device)
-    if quantize == "int8" and dtype == "auto":
+    if dtype == "auto" and (quantize == "int8" or (serving and torch_device.type == "cpu" and cpu_has_bf16_units())):
         dtype = "bfloat16"
     return torch_device, compute_dtype(dtype, torch_device)
+
+
+def cpu_has_bf16_units() -> bool:
+    """AMX tiles or AVX-512-bf16: where oneDNN's bf16 products run well above float32's rate."""
+    checks = (getattr(torch.cpu, "_is_amx_tile_supported", None), getattr(torch.cpu, "_is_avx512_bf16_supported", None))
+    return any(check is not None and check() for check in checks)
 
 
 def build_engine(kind: str, served, slots: int, max_queue: int, context: int | None, observer):
@@ -79,7 +88,7 @@ def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str
     if quantize != "none" and engine_kind != "torch":
         raise PhalanxError(f"--quantize is for the torch engine; --engine {engine_kind} serves the GGUF's own "
                            "weight types (phalanx export --format gguf --dtype q8_0 ...)")
-    torch_device, torch_dtype = pick_device(device, dtype, quantize)
+    torch_device, torch_dtype = pick_device(device, dtype, quantize, serving=True)
     if threads is not None:
         # On a CPU shared with other work, fewer threads than cores avoid stalls at every op's barrier.
         torch.set_num_threads(threads)

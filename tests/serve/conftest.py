@@ -22,12 +22,13 @@ def served_run(corpus, runs_root) -> Path:
 
 @pytest.fixture(scope="session")
 def server(served_run, tmp_path_factory) -> LiveServer:
-    """`phalanx serve` itself: 8 slots (so 16 requests also queue), an API key, any free port."""
+    """`phalanx serve` itself: 8 slots (so 16 requests also queue), an API key, any free port; float32, as
+    the references these tests compute in process (a CPU with bf16 units would serve bf16 by default)."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "phalanx", "serve", str(served_run), "--port", "0", "--api-key", API_KEY,
-             "--model-name", MODEL, "--slots", "8", "--max-queue", "32", "--log-level", "warning"],
+             "--model-name", MODEL, "--slots", "8", "--max-queue", "32", "--dtype", "float32", "--log-level", "warning"],
             stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120

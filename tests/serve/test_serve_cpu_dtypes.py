@@ -1,7 +1,8 @@
-"""Weight-only int8 serving (phalanx/serve/int8_weights.py, `phalanx serve --quantize int8`): the layer is
-close to its bf16 original and gives each row the same bits at every batch width, so a quantised model's
-greedy tokens are the same alone and in a busy batch; the real CLI serves with it and refuses what it
-cannot do with one line."""
+"""Serving dtypes on CPU: bfloat16 by default where the CPU has bf16 matrix units (server.pick_device), and
+weight-only int8 (phalanx/serve/int8_weights.py, `phalanx serve --quantize int8`), whose layer is close to
+its bf16 original and gives each row the same bits at every batch width. In both, a model's greedy
+tokens are the same alone and in a busy batch; the real CLI serves with int8 and refuses what it cannot
+do with one line."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from phalanx.models.llama import ModelArgs, Transformer
 from phalanx.serve.engine import Engine
 from phalanx.serve.int8_weights import Int8WeightLinear, quantize_linear_weights
 from phalanx.serve.options import SamplingOptions
+from phalanx.serve.server import cpu_has_bf16_units, pick_device
 from tests.helpers import phalanx
 
 ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=160,
@@ -53,13 +55,23 @@ def test_a_model_in_bfloat16_is_quantised_except_layers_the_kernel_cannot_take()
         quantize_linear_weights(Transformer(ARGS))  # float32: the kernel's slow reference path is refused
 
 
-def test_greedy_tokens_of_a_quantised_model_are_the_same_alone_and_in_a_busy_batch(corpus):
+def test_a_server_defaults_to_bfloat16_where_the_cpu_has_bf16_units():
+    expected = torch.bfloat16 if cpu_has_bf16_units() else torch.float32
+    assert pick_device("cpu", "auto", serving=True)[1] == expected
+    assert pick_device("cpu", "auto")[1] == torch.float32  # generate and local chat keep float32
+    assert pick_device("cpu", "float32", serving=True)[1] == torch.float32  # asked for: kept
+    assert pick_device("cpu", "auto", quantize="int8")[1] == torch.bfloat16
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_greedy_tokens_are_the_same_alone_and_in_a_busy_batch(corpus, weights):
     from phalanx.data.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer([corpus.read_text()], ARGS.vocab_size)
     torch.manual_seed(0)
     model = Transformer(ARGS).to(torch.bfloat16).eval()
-    assert quantize_linear_weights(model) == 2 * 7 + 1  # every layer: 7 per block and the output head
+    if weights == "int8":
+        assert quantize_linear_weights(model) == 2 * 7 + 1  # every layer: 7 per block and the output head
     requests = [([0] + tokenizer.encode(f"ROMEO: line {i} " + "o " * i).ids,
                  SamplingOptions(temperature=0, max_tokens=12 + 6 * i)) for i in range(5)]
 
