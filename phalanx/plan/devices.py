@@ -24,7 +24,7 @@ class Device:
     name: str
     memory_gib: float
     peak_tflops: float  # dense bf16 (float32 for `cpu`), one device
-    kind: str  # "gpu" (bf16 autocast, nccl, foreach AdamW) or "cpu" (fp32, gloo, per-tensor AdamW)
+    kind: str  # "gpu" (bf16 autocast, nccl) or "cpu" (fp32, gloo); fused AdamW on both (train/optim.py)
     source: str
     # CPU ranks share one host's memory; GPU ranks each have their own device.
     shared_by_ranks: bool = False

@@ -17,8 +17,8 @@ vocab, H query heads, E head dim, KE = n_kv_heads * E, Nb parameters of one bloc
 Assumed and not modelled: SDPA runs a flash-style kernel (saves its output and a float32 logsumexp,
 never the T x T scores: true on CPU, and on CUDA, where torch documents grouped-query attention for
 its flash and math kernels only; a math fallback would add B x H x T x T per block); no torch.compile
-(compiled blocks usually save less, so the plan errs high); on GPUs, foreach AdamW (torch's default
-there) takes sqrt(exp_avg_sq) of a whole parameter group at once. The allocator's rounding and
+(compiled blocks usually save less, so the plan errs high); on GPUs, fused AdamW (the trainer's choice,
+train/optim.py) allocates no scratch, as measured on CPU. The allocator's rounding and
 fragmentation, the runtime's own context and the collective library's buffers belong to the headroom.
 """
 
@@ -57,7 +57,7 @@ class Workload:
     accumulation: int = 1  # micro-batches per optimizer step on each rank
     activation_checkpointing: bool = False
     dtype: str = "bfloat16"  # the compute dtype: bfloat16 | float32
-    device_kind: str = "gpu"  # gpu: nccl, foreach AdamW; cpu: gloo, per-tensor AdamW
+    device_kind: str = "gpu"  # gpu: nccl, bf16; cpu: gloo, float32 (fused AdamW on both)
     # Tensor parallelism (parallel/tensor_parallel.py): heads, FFN and vocabulary split tp ways, the
     # residual stream split along the sequence between the projections. world_size stays the FSDP degree.
     tp: int = 1
@@ -172,8 +172,9 @@ class _StepWalk:
         self.params = FP32 * local_numel
         self.buffers = 2 * FP32 * a.max_seq_len * a.head_dim  # RoPE cos and sin tables, never sharded
         self.grads = FP32 * local_numel
-        # AdamW: exp_avg and exp_avg_sq like each parameter; the `step` counters are CPU scalars.
-        self.states = 2 * FP32 * local_numel + (FP32 * self._n_param_tensors() if w.device_kind == "cpu" else 0)
+        # AdamW: exp_avg and exp_avg_sq like each parameter, and one float32 `step` counter per parameter
+        # tensor, which fused AdamW keeps on the parameter's device (on GPUs too, unlike the default).
+        self.states = 2 * FP32 * local_numel + FP32 * self._n_param_tensors()
         self.buckets = FP32 * self.total_numel if w.ddp else 0  # gradient_as_bucket_view=False: a copy
         # FSDP's all-gathered weights and their unsharded gradients: bf16 under its mixed precision.
         self.gather = BF16 if w.regime == "fsdp_bf16" else FP32
@@ -393,17 +394,9 @@ class _StepWalk:
         return rs_input
 
     def _optimizer_step(self) -> None:
-        """Gradients (all of them now) and AdamW's scratch: on GPUs the foreach implementation takes
-        sqrt(exp_avg_sq) of a whole parameter group at once; on CPU one parameter at a time, where
-        `exp_avg_sq.sqrt() / c` holds two tensors of the largest parameter."""
-        w, live = self.w, self.live
-        n = w.world_size if w.sharded else 1
-        shapes = param_shapes(w.args, w.tp)
-        local = lambda s: math.ceil(s[0] / n) * math.prod(s[1:])  # noqa: E731
-        every = shapes["root"] + w.args.n_layers * shapes["block"]
-        if w.device_kind == "gpu":
-            decayed = sum(local(s) for s in every if len(s) >= 2)
-            scratch = FP32 * max(decayed, sum(local(s) for s in every if len(s) < 2))
-        else:
-            scratch = 2 * FP32 * max(local(s) for s in every)
-        live.spike(TEMPORARIES, scratch, "optimizer step")
+        """Gradients (all of them now), the held logits and AdamW's moments: the trainer's fused AdamW
+        (train/optim.py) updates each parameter in place in one kernel and allocates no scratch (measured
+        with torch's memory tracker on CPU, plain and DTensor parameters; the per-tensor default held two
+        tensors of the largest parameter here, foreach a whole group's sqrt(exp_avg_sq)). Clipping's
+        norms are scalars. So the step's moment is what is live when it starts."""
+        self.live.add(TEMPORARIES, 0, "optimizer step")

@@ -19,6 +19,11 @@ def rope_bytes(args):
     return 2 * 4 * args.max_seq_len * args.head_dim
 
 
+def step_counters(args):
+    """AdamW's float32 `step`, one per parameter tensor (embedding, final norm, output if untied, 9 per block)."""
+    return 4 * (2 + (not args.tie_embeddings) + 9 * args.n_layers)
+
+
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
 def test_param_shapes_are_the_models(name):
     args = MODEL_PRESETS[name]
@@ -39,10 +44,11 @@ def test_resident_state_is_count_params_times_bytes(name):
         est = estimate(Workload(args, strategy, world, 1, 128))
         assert est.parameters == 4 * n + rope_bytes(args)  # float32 master weights, unsharded
         assert est.gradients == 4 * n
-        assert est.optimizer_states == 8 * n  # exp_avg + exp_avg_sq (step counters live on the host)
+        # exp_avg + exp_avg_sq, and fused AdamW's float32 step counter per tensor on the device
+        assert est.optimizer_states == 8 * n + step_counters(args)
         assert est.ddp_buckets == (4 * n if strategy == "ddp" else 0)  # one process: nothing is wrapped
     cpu = estimate(Workload(args, "ddp", 2, 1, 128, dtype="float32", device_kind="cpu"))
-    assert cpu.optimizer_states == 8 * n + 4 * (2 + (not args.tie_embeddings) + 9 * args.n_layers)
+    assert cpu.optimizer_states == 8 * n + step_counters(args)
 
 
 def test_fsdp_divides_sharded_state_by_the_ranks():
@@ -51,7 +57,8 @@ def test_fsdp_divides_sharded_state_by_the_ranks():
     for world in (2, 8):
         sharded = estimate(Workload(args, "fsdp", world, 1, 128))
         assert sharded.gradients * world == one.gradients
-        assert sharded.optimizer_states * world == one.optimizer_states
+        # the moments are sharded; the step counters are scalars, one per parameter on every rank
+        assert (sharded.optimizer_states - step_counters(args)) * world == one.optimizer_states - step_counters(args)
         assert sharded.parameters - rope_bytes(args) == (one.parameters - rope_bytes(args)) // world
         assert sharded.ddp_buckets == 0 and sharded.peak_bytes < one.peak_bytes
 
