@@ -6,9 +6,13 @@ prompts joining at one boundary are prefilled together, in one forward pass over
 each prompt attending only to its own (prefill.py), each into its own cache row, and their first tokens
 come out together; then every step decodes one token for all running requests in a single batched
 forward, each row at its own position. Finished rows free their slot at once. One boundary takes at most
-MAX_PREFILL_TOKENS prompt tokens (a longer prompt alone still joins), so a burst joins over several
+MAX_PREFILL_TOKENS prompt tokens (a longer prompt is chunked, below), so a burst joins over several
 boundaries with a decode step between each: first tokens come out pass by pass, and running rows are
-never stalled for a whole burst's prefill.
+never stalled for a whole burst's prefill. A prompt longer than prefill_chunk tokens is prefilled chunk by
+chunk, one chunk per boundary, into a one-row cache of its own (so decode steps never touch its half-made
+rows), beside that boundary's short prompts and with a decode step of the running requests between its
+chunks; after its last chunk its keys and values move into a packed row and its first token comes out.
+Long prompts take turns, one chunking at a time, in the order they joined.
 
 A decode step is sized to what runs, not to the server (on CPU, where it can be proven row-invariant):
 running requests keep the low rows of the cache packed (a leaving request's row is refilled by moving
@@ -26,7 +30,9 @@ decoding is spelt out row by row (Attention.attend_rows), and positions beyond a
 exactly 0 whatever the span. Where that cannot be had (a GPU, another dtype) every step keeps today's
 full shape, (slots, 1) over the whole context, idle rows padded; and where tall products are not
 row-invariant (bf16 on this CPU: batched_prefill) each prompt is prefilled alone through the model's own
-forward. Sampling is per row, with the request's own generator.
+forward. Chunking holds everywhere: a prompt's chunks are cut from its length alone (prefill.chunk_plan)
+and each chunk pass holds that prompt only, so its passes have the same shapes and inputs, hence the same
+bits, alone and in company, on any device and dtype. Sampling is per row, with the request's own generator.
 
 Callers hold a RequestStream: text pieces as they are decoded (whole characters, never part of a stop
 string), then one Finish with the reason and the counts and timings.
@@ -60,7 +66,14 @@ from tokenizers import Tokenizer
 from phalanx.data.tokenizer import special_ids
 from phalanx.models.llama import KVCache, Transformer
 from phalanx.serve.options import SamplingOptions
-from phalanx.serve.prefill import MAX_PREFILL_TOKENS, prefill_rows_agree, prefill_together
+from phalanx.serve.prefill import (
+    MAX_PREFILL_TOKENS,
+    PREFILL_CHUNK_TOKENS,
+    chunk_plan,
+    prefill_chunk,
+    prefill_rows_agree,
+    prefill_together,
+)
 from phalanx.serve.row_invariant import make_rows_invariant
 from phalanx.serve.sampler import RequestSampler
 from phalanx.serve.structured_output import TokenConstraint, TokenVocabulary
@@ -287,7 +300,7 @@ class SlotScheduler(TokenOutput):
     _init_queue(), and supplies _join(slot, request) (or _join_all(pending), the requests joining at one
     boundary) and _step(); _release(slot), _thread_starts() and _thread_ends() are its hooks for its own
     cache and resources. prefill_budget: prompt tokens joining at one boundary (beyond the first
-    request's); the rest join at the next, after a decode step."""
+    request's, each counted by _boundary_tokens); the rest join at the next, after a decode step."""
 
     thread_name = "phalanx-engine"
     prefill_budget: float = float("inf")
@@ -313,6 +326,10 @@ class SlotScheduler(TokenOutput):
 
     def _release(self, slot: int) -> None:
         """A finished request's slot: what the engine's cache must forget of it."""
+
+    def _boundary_tokens(self, request: _Request) -> int:
+        """What a joining request costs the boundary's prefill_budget."""
+        return len(request.prompt_ids)
 
     # ---- the caller's side ----
 
@@ -394,7 +411,7 @@ class SlotScheduler(TokenOutput):
                 joining, tokens = [], 0
                 free = [s for s in range(self.slots) if s not in self._active]
                 while self._waiting and len(joining) < len(free):
-                    tokens += len(self._waiting[0].prompt_ids)
+                    tokens += self._boundary_tokens(self._waiting[0])
                     if joining and tokens > self.prefill_budget:
                         break
                     joining.append(self._waiting.popleft())
@@ -465,6 +482,13 @@ class Engine(SlotScheduler):
         self.batched_prefill = self.sized_steps and prefill_rows_agree(self.model)
         # A burst of long prompts joins over several boundaries, a decode step between each (prefill.py).
         self.prefill_budget = MAX_PREFILL_TOKENS if self.batched_prefill else float("inf")
+        # Longer prompts are prefilled a chunk per boundary (None: each in one pass), into a one-row cache
+        # of their own: decode steps write their idle rows' position 0, which must not land in a prompt
+        # half prefilled, and the running rows stay packed. One prompt chunks at a time, the rest queue.
+        self.prefill_chunk: int | None = PREFILL_CHUNK_TOKENS
+        self._chunk_cache = KVCache(args, 1, self.context, dtype=weight.dtype, device=self.device)
+        self._chunking: deque[_Running] = deque()  # joined, prompt not yet prefilled; the first is chunking
+        self._chunked_to = 0  # where the first one's next chunk starts
         self._rows: dict[int, int] = {}  # slot -> its cache row; running requests hold rows 0..n-1
         self.observer = observer
         self._init_queue()
@@ -474,12 +498,26 @@ class Engine(SlotScheduler):
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.cache.k, *self.cache.v))
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.cache.k, *self.cache.v, *self._chunk_cache.k, *self._chunk_cache.v))
 
     # ---- the engine thread ----
 
+    def _chunked(self, request: _Request) -> bool:
+        return self.prefill_chunk is not None and len(request.prompt_ids) > self.prefill_chunk
+
+    def _boundary_tokens(self, request: _Request) -> int:
+        # A chunked prompt is not in the boundary's batched pass: its chunks have passes of their own.
+        return 0 if self._chunked(request) else len(request.prompt_ids)
+
     def _release(self, slot: int) -> None:
         """Keep the running rows packed: the last row moves into the freed one (its live positions only)."""
+        for i, run in enumerate(self._chunking):  # cancelled or failed before its prompt was prefilled
+            if run.slot == slot:
+                del self._chunking[i]
+                if i == 0:
+                    self._chunked_to = 0  # the next one starts from its first chunk
+                return
         row = self._rows.pop(slot, None)
         if row is None or row == len(self._rows):
             return
@@ -493,8 +531,11 @@ class Engine(SlotScheduler):
 
     def _join_all(self, pending: deque) -> None:
         """Start the requests joining at this boundary and take their first tokens: their prompts prefilled
-        together in one pass where that is each prompt's own bits (batched_prefill), else one at a time."""
+        together in one pass where that is each prompt's own bits (batched_prefill), else one at a time;
+        then one chunk of the long prompt whose turn it is."""
         runs = [run for run in (self._start(*pending.popleft()) for _ in range(len(pending))) if run]
+        self._chunking.extend(run for run in runs if self._chunked(run.request))
+        runs = [run for run in runs if not self._chunked(run.request)]
         for group in [runs] if self.batched_prefill else [[run] for run in runs]:
             if not group:
                 continue
@@ -516,6 +557,42 @@ class Engine(SlotScheduler):
                 except Exception as e:
                     log.exception("first token failed")
                     self._finish(run, "error", f"generation failed: {e}")
+        if self._chunking:
+            self._prefill_next_chunk()
+
+    def _prefill_next_chunk(self) -> None:
+        """One chunk of the first chunking prompt; after its last, the prompt joins the decoding rows and
+        its first token comes out."""
+        run = self._chunking[0]
+        if run.request.stream.cancelled:  # not another chunk for a client that has gone
+            return self._finish(run, "cancelled")
+        prompt = run.request.prompt_ids
+        start = self._chunked_to
+        end = dict(chunk_plan(len(prompt), self.prefill_chunk))[start]
+        if start == 0:
+            run.prefill_started_at = time.perf_counter()
+        try:
+            logits_V = prefill_chunk(self.model, prompt[start:end], self._chunk_cache, start)
+        except Exception as e:  # this prompt's pass alone: fail it, keep serving the others
+            log.exception("prefill failed")
+            return self._finish(run, "error", f"generation failed: {e}")
+        self._chunked_to = end
+        if end < len(prompt):
+            return
+        self._chunking.popleft()
+        self._chunked_to = 0
+        # Into the next packed row; it decodes from the next step on.
+        row = self._rows[run.slot] = len(self._rows)
+        for k, v, chunk_k, chunk_v in zip(self.cache.k, self.cache.v, self._chunk_cache.k, self._chunk_cache.v):
+            k[row, :, :end] = chunk_k[0, :, :end]
+            v[row, :, :end] = chunk_v[0, :, :end]
+        try:
+            if self.observer:
+                self.observer.prompt_prefilled(len(prompt))
+            self._take(run, run.sampler.pick(logits_V, run.request.constraint), logits_V)
+        except Exception as e:
+            log.exception("first token failed")
+            self._finish(run, "error", f"generation failed: {e}")
 
     def _prefill(self, group: list[_Running]) -> torch.Tensor:
         """Each run's prompt into its cache row; the logits (n, V) of each prompt's last token."""
@@ -542,11 +619,14 @@ class Engine(SlotScheduler):
             return self._finish_unstarted(request, "error", f"generation failed: {e}")
         with self._cond:
             self._active[slot] = run
-        self._rows[slot] = len(self._rows)
+        if not self._chunked(request):  # a chunked prompt takes its row after its last chunk
+            self._rows[slot] = len(self._rows)
         return run
 
     def _step(self) -> None:
-        runs = list(self._active.values())
+        runs = [run for run in self._active.values() if run.slot in self._rows]  # not the prompts chunking
+        if not runs:
+            return
         rows = [self._rows[run.slot] for run in runs]  # fixed for this step: a release moves rows for the next
         if self.sized_steps:
             width = step_width(len(runs), self.slots)

@@ -15,6 +15,11 @@ prompt's bits are those of its prefill alone because
 The steps mirror TransformerBlock and Attention.forward (models/llama.py) for a cache starting at
 position 0; tests/serve/test_serve_batched_prefill.py proves them bit-identical to the model's own
 forward.
+
+Chunked prefill: a prompt longer than PREFILL_CHUNK_TOKENS is prefilled chunk by chunk (prefill_chunk),
+one chunk per step boundary, so the running requests decode between its chunks and shorter prompts join
+beside it. Its chunks are cut from its length alone (chunk_plan), never from what else runs, and each
+chunk pass holds that one prompt only, so its bits are the same alone and in a busy server.
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ from phalanx.serve.row_invariant import RowInvariantLinear
 # running decodes as long; passes of about four such prompts keep nearly the whole gain, hand first
 # tokens out a quarter of the way in, and stall decodes for a fraction of a second.
 MAX_PREFILL_TOKENS = 256
+
+# A prompt longer than this is prefilled in chunks of this many tokens, one per step boundary (engine.py's
+# prefill_chunk). Measured here (the 88M `125m` shape, fp32, one thread, a 1,500-token prompt alone, 3
+# alternating rounds on a shared machine; BENCHMARKS.md "Chunked prefill"): in one pass 2.8-3.0 s; in
+# chunks of 512 2.8-3.0 s (longest pass 1.0-1.1 s), 256 2.8-3.2 s (0.5-0.6 s), 128 3.0-3.5 s (0.3 s), 64
+# 3.5-3.8 s (0.2 s). A pass is compute-bound from a few dozen rows on, so 256 costs about what one pass
+# does while a running stream waits one chunk (half a second) rather than the whole prompt; smaller
+# chunks shorten that wait but pay 10-25% more in all. 256 is also the boundary's budget for short
+# prompts, so a chunk pass is never taller than a batched one.
+PREFILL_CHUNK_TOKENS = 256
 
 
 def prefill_rows_agree(model: Transformer, rows: int = 320) -> bool:
@@ -98,3 +113,25 @@ def _attend_each(attention: Attention, x_1TD, cos_TE, sin_TE, lengths, cache_k, 
                                                    is_causal=n > 1, enable_gqa=True))
         start = end
     return attention.wo(torch.cat(outs, dim=2).transpose(1, 2).reshape(1, T, -1))
+
+
+def chunk_plan(length: int, size: int) -> list[tuple[int, int]]:
+    """The (start, end) positions of a prompt's chunks: `size` tokens each from position 0, the last one
+    what is left. A function of the prompt's length alone, so the prompt's passes are the same whatever
+    else the server runs."""
+    return [(start, min(start + size, length)) for start in range(0, length, size)]
+
+
+def prefill_chunk(model: Transformer, chunk: list[int], cache: KVCache, start: int) -> torch.Tensor:
+    """Prefill one chunk of a prompt, the tokens at positions start.., into `cache` (one row) after the
+    prompt's earlier chunks there; the logits (V,) of the chunk's last token (the prompt's next-token
+    logits when it is the last chunk). The model's own blocks: a chunk's queries attend causally over the
+    cached positions before it and itself (Attention.forward's start_pos mask). Only the last row goes
+    through the final norm and the output layer: the other rows' logits are never used."""
+    device = model.tok_embeddings.weight.device
+    end = start + len(chunk)
+    cos_TE, sin_TE = model.rope_cos[start:end], model.rope_sin[start:end]
+    x_1TD = model.tok_embeddings(torch.tensor([chunk], dtype=torch.long, device=device))
+    for i, block in enumerate(model.layers):
+        x_1TD = block(x_1TD, cos_TE, sin_TE, cache.layer(i), start)
+    return model.output(model.norm(x_1TD[:, -1:]))[0, -1]
