@@ -4,7 +4,7 @@ Each linear layer's weight is kept as int8 with one scale per output row (symmet
 -127..127, s = max |w| of the row / 127) and multiplied by torch's own int8-weight kernel
 (aten._weight_int8pack_mm) against bfloat16 activations. What it buys is memory: a linear weight takes a
 quarter of its fp32 bytes and half of bf16's (the engine's packed bf16 layers keep a second copy of
-theirs, row_invariant.py). Speed, measured in the engine on the 125m shape (bench/serve_int8_bench.py,
+theirs, row_invariant.py). Speed, measured in the engine on the 125m shape (bench/serve_side_by_side.py,
 BENCHMARKS.md): about bf16's at one stream and 1.4x fp32's, but half of bf16's at 16 streams, since the
 kernel's time grows with the rows while oneDNN's bf16 product hardly does; the kernel's fp32 path is a
 slow reference (40x its bf16 time), so int8 weights always serve with bfloat16 activations.

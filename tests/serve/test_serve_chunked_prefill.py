@@ -158,13 +158,13 @@ def test_a_long_prompt_gets_its_tokens_alone_while_others_decode_between_its_chu
     assert all(s.finish.first_token_at < f.first_token_at for s in later)
 
 
-def test_without_chunks_a_long_prompt_stalls_the_running_streams(model, tokenizer):
-    """The counter-case: prefill_chunk None, the long prompt in one pass, no token comes out meanwhile."""
+def tokens_during_long_prefill(model, tokenizer, slots: int, runner_tokens: int, **chunk) -> list[float]:
+    """One runner decoding, then LONG arrives: when the runner's tokens came out while LONG prefilled."""
     times = TokenTimes()
-    e = engine(model, tokenizer, 4, chunk=None, observer=times)
+    e = engine(model, tokenizer, slots, observer=times, **chunk)
     e.start()
     try:
-        runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=30, ignore_eos=True))
+        runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=runner_tokens, ignore_eos=True))
         pieces = iter(runner)
         next(pieces)
         long = e.submit(LONG, SamplingOptions(temperature=0, max_tokens=2, ignore_eos=True))
@@ -172,24 +172,17 @@ def test_without_chunks_a_long_prompt_stalls_the_running_streams(model, tokenize
     finally:
         e.stop()
     f = long.finish
-    assert not [t for t in times.times if f.prefill_started_at < t < f.first_token_at]
+    return [t for t in times.times if f.prefill_started_at < t < f.first_token_at]
+
+
+def test_without_chunks_a_long_prompt_stalls_the_running_streams(model, tokenizer):
+    """The counter-case: prefill_chunk None, the long prompt in one pass, no token comes out meanwhile."""
+    assert not tokens_during_long_prefill(model, tokenizer, 4, 30, chunk=None)
 
 
 def test_exactly_one_decode_step_between_chunks(model, tokenizer):
     """With one runner and nothing else joining, the runner takes one token per boundary between chunks."""
-    times = TokenTimes()
-    e = engine(model, tokenizer, 2, observer=times)
-    e.start()
-    try:
-        runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=250, ignore_eos=True))
-        pieces = iter(runner)
-        next(pieces)
-        long = e.submit(LONG, SamplingOptions(temperature=0, max_tokens=2, ignore_eos=True))
-        long.text(), list(pieces)
-    finally:
-        e.stop()
-    f = long.finish
-    during = [t for t in times.times if f.prefill_started_at < t < f.first_token_at]
+    during = tokens_during_long_prefill(model, tokenizer, 2, 250)
     assert len(during) == len(chunk_plan(len(LONG), CHUNK)) - 1
 
 
