@@ -105,7 +105,7 @@ def _mismatch(target: dict[str, Any], saved: dict[str, Any], specs: dict[str, An
 def _copy_into(target: dict[str, Any], saved: dict[str, Any]) -> None:
     """Copy `saved` into the model's state dict `target` in place (a DTensor: its local shard)."""
     for key, current in target.items():
-        (current.to_local() if isinstance(current, DTensor) else current).copy_(saved[key])
+        _local(current).copy_(saved[key])
 
 
 def _optim_entries(optimizer: torch.optim.Optimizer):
@@ -402,7 +402,7 @@ class MemorySnapshots:
             for key, (box, name) in entries.items():
                 current = box[name]
                 if isinstance(current, torch.Tensor):
-                    (current.to_local() if isinstance(current, DTensor) else current).copy_(payload["optim"][key])
+                    _local(current).copy_(payload["optim"][key])
                 else:
                     box[name] = payload["optim"][key]
         return None

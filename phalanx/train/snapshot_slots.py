@@ -67,9 +67,7 @@ class Slot:
 
     def __init__(self, path: Path, nbytes: int, create: bool = True):
         self.path, self.nbytes = path, nbytes
-        if create and not path.exists():
-            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
         try:
             if create and os.fstat(fd).st_size != nbytes:
                 os.ftruncate(fd, 0)  # another size: its old pages go, then all of them come back at once

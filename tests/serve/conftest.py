@@ -14,6 +14,26 @@ from tests.helpers import train_json
 from serve_helpers import API_KEY, MODEL, SERVE_RUN, LiveServer, wait_healthy
 
 
+@pytest.fixture(scope="module")
+def tokenizer(request, corpus):
+    """For the engine tests: a tokenizer of the test module's own ARGS.vocab_size, trained on the corpus."""
+    from phalanx.data.tokenizer import train_tokenizer
+
+    return train_tokenizer([corpus.read_text()], request.module.ARGS.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def model(request):
+    """For the engine tests: a seeded random model of the test module's own ARGS (random weights: every
+    context gets its own argmax, so a bit a neighbour changed would show)."""
+    import torch
+
+    from phalanx.models.llama import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(request.module.ARGS).eval()
+
+
 @pytest.fixture(scope="session")
 def served_run(corpus, runs_root) -> Path:
     summary = train_json(*SERVE_RUN, f"data.sources=[{corpus}]", f"run.dir={runs_root}", "run.name=serve-tiny")

@@ -23,19 +23,6 @@ ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, voca
                  rope_theta=10000.0)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(corpus):
-    from phalanx.data.tokenizer import train_tokenizer
-
-    return train_tokenizer([corpus.read_text()], ARGS.vocab_size)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return Transformer(ARGS).eval()
-
-
 def requests(tokenizer, count: int) -> list[tuple[list[int], SamplingOptions]]:
     """Prompts of 2 to ~200 tokens (most longer than 16), greedy, greedy with a penalty, seeded samples."""
     out = []

@@ -26,19 +26,6 @@ LONG = torch.randint(3, ARGS.vocab_size, (230,), generator=torch.Generator().man
 
 
 @pytest.fixture(scope="module")
-def tokenizer(corpus):
-    from phalanx.data.tokenizer import train_tokenizer
-
-    return train_tokenizer([corpus.read_text()], ARGS.vocab_size)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return Transformer(ARGS).eval()
-
-
-@pytest.fixture(scope="module")
 def bf16_model():
     torch.manual_seed(0)
     return Transformer(ARGS).eval().to(torch.bfloat16)

@@ -11,26 +11,13 @@ import threading
 import pytest
 import torch
 
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.llama import ModelArgs
 from phalanx.serve.engine import Engine, step_span, step_width
 from phalanx.serve.options import SamplingOptions
 from phalanx.serve.row_invariant import RowInvariantLinear, rows_agree
 
 ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=160,
                  rope_theta=10000.0)  # ffn 1152: w2's reduction is cut in two chunks (row_invariant.py)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(corpus):
-    from phalanx.data.tokenizer import train_tokenizer
-
-    return train_tokenizer([corpus.read_text()], ARGS.vocab_size)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return Transformer(ARGS).eval()
 
 
 def prompt(tokenizer, i: int) -> list[int]:
