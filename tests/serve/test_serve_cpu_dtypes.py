@@ -110,4 +110,6 @@ def test_serve_quantize_int8_serves_and_refuses_what_it_cannot(served_run, tmp_p
     assert bad.returncode == 2 and "--quantize must be one of none, int8" in bad.stderr
     bad = phalanx("serve", str(served_run), "--quantize", "int8", "--dtype", "float32", check=False, timeout=120)
     assert bad.returncode == 2 and "bfloat16 activations" in bad.stderr
+    bad = phalanx("serve", str(served_run), "--quantize", "int8", "--engine", "llamacpp", check=False, timeout=120)
+    assert bad.returncode == 2 and "--quantize is for the torch engine" in bad.stderr
     assert "Traceback" not in bad.stderr
