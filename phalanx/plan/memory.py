@@ -199,16 +199,17 @@ class _StepWalk:
         seq, whole, heads = bt * d // tp, bt * d, bt * a.n_heads * a.head_dim // tp
         # Two RMSNorm rsqrt (B, T, 1) and SDPA's logsumexp (B, H, T), float32 in every regime.
         small = FP32 * (2 * bt // tp + w.micro_batch * a.n_heads // tp * w.seq_len)
-        # RoPE tables cast to bf16 for q and k (cos, sin each), T x E: float32 buffers under bf16.
-        rope = 4 * BF16 * w.seq_len * a.head_dim if w.dtype == "bfloat16" else 0
+        # RoPE's tables as its products save them, T x E for q and for k: under bf16 the cos cast and the
+        # signed sin (cat(-sin1, sin2)), both bf16; in float32 the signed sin only (cos is the buffer).
+        rope = (4 * BF16 if w.dtype == "bfloat16" else 2 * FP32) * w.seq_len * a.head_dim
         if w.regime == "float32":
             # input x, norm y, norm out (shared by wq/wk/wv), q, SDPA out (= wo's input, a view), h,
             # ffn norm y and out; k, v; w1 out (silu's input), silu out, w3 out, their product.
-            return FP32 * (4 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
+            return FP32 * (4 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small + rope
         if w.regime == "autocast":
-            # float32: x, norm y, h, ffn norm y. bf16: autocast casts the norm output once per linear
-            # (wq, wk, wv; w1, w3: 5 copies), q, SDPA out; k, v; the four SwiGLU tensors.
-            return FP32 * 4 * seq + BF16 * (5 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small + rope
+            # float32: x, norm y, h, ffn norm y. bf16: each norm output cast once for the projections that
+            # share it (wq/wk/wv, w1/w3: models/fused_linear.py), q, SDPA out; k, v; the four SwiGLU tensors.
+            return FP32 * 4 * seq + BF16 * (2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small + rope
         # fsdp_bf16: each norm saves its float32 upcast (2), and bf16: norm y and out (x2), q, SDPA
         # out; k, v; the SwiGLU four.
         return FP32 * 2 * seq + BF16 * (2 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small + rope

@@ -1,0 +1,51 @@
+"""The shared-input projections' one backward (models/fused_linear.py) and the sign-moved RoPE give the
+model's forward bit for bit and its gradients within float rounding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import phalanx.models.llama as llama
+from phalanx.models.llama import ModelArgs, Transformer, apply_rope, rope_tables, rotate_half
+
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=384, max_seq_len=64)
+
+
+def loss_and_grads(model, tokens, autocast):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_backward_keeps_the_forward_and_the_gradients(autocast, monkeypatch):
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 48))
+    fused = loss_and_grads(model, tokens, autocast)
+    monkeypatch.setattr(llama, "shared_input_linears", lambda x, linears: tuple(m(x) for m in linears))
+    plain = loss_and_grads(model, tokens, autocast)
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+    tolerance = 1e-2 if autocast else 1e-5  # bf16's rounding, float32's
+    for name, grad in plain[2].items():
+        assert (fused[2][name] - grad).abs().max() <= tolerance * grad.abs().max(), name
+
+
+def test_inference_takes_the_plain_modules(monkeypatch):
+    calls = []
+    monkeypatch.setattr(llama.nn.Linear, "forward", lambda self, x: calls.append(1) or F.linear(x, self.weight))
+    model = Transformer(ARGS)
+    with torch.no_grad():
+        model(torch.zeros(1, 4, dtype=torch.long))
+    assert len(calls) == ARGS.n_layers * 7 + 1  # every projection and the output, as nn.Linear calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_rotate_half_bit_for_bit(dtype):
+    cos, sin = rope_tables(16, 64, 10000.0)
+    x = torch.randn(2, 4, 64, 16).to(dtype)
+    expected = x * cos.to(dtype) + rotate_half(x) * sin.to(dtype)
+    assert torch.equal(apply_rope(x, cos, sin), expected)
