@@ -6,7 +6,8 @@ memory, one directory per run and launch:
     SHM/phalanx-snapshots-<hash of the run directory>-<node agent pid>/rank_<global rank>/slot_K.bin
 
 three slot files per rank, reused, and a JSON sidecar step_N.json per snapshot naming its slot, written
-last (a snapshot counts once its sidecar is there). SHM is
+last (a snapshot counts once its sidecar is there); across nodes, also peer_rank_<source rank>/ with
+the copies this node holds of another node's rank's snapshots (step_N.bin, then step_N.json). SHM is
 /dev/shm (tmpfs: it outlives the ranks, not the node), or the system temp directory where /dev/shm is
 not writable. Two runs, or two launches of one run, never share a directory, so a new launch never
 sees an older one's snapshots. The agent reads the newest step every rank has (what a restart resumes
@@ -54,6 +55,22 @@ def remove_stale(root: Path | None = None) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def peer_dir(launch: Path, source_rank: int) -> Path:
+    """Where a rank keeps the peer copies it holds of rank `source_rank`'s snapshots (another node's),
+    inside its own launch directory: step_N.bin, then the sidecar step_N.json (peer_snapshots.py)."""
+    return launch / f"peer_rank_{source_rank}"
+
+
+def peer_sources(launch: Path) -> dict[int, Path]:
+    """Source rank -> the directory of the peer copies this launch holds for it."""
+    found = {}
+    for path in Path(launch).glob("peer_rank_*"):
+        source = path.name[len("peer_rank_"):]
+        if source.isdigit():
+            found[int(source)] = path
+    return found
 
 
 def complete_steps(rank_dir: Path) -> list[int]:

@@ -50,6 +50,7 @@ from phalanx.parallel.distributed import DistEnv
 from phalanx.run.snapshots import complete_steps, launch_dir, remove_stale
 from phalanx.safe.rank_guard import ENV_AGENT_PID
 from phalanx.train.checkpoint import STATE_DICT_OPTIONS, rng_state, set_rng_state
+from phalanx.train.peer_snapshots import PeerCopies, spans_nodes
 from phalanx.train.snapshot_slots import Slot, entries_from_json, plan_layout
 
 SLOTS = 3  # per rank: the two newest snapshots (a peer may have finished one step fewer) and one being written
@@ -164,6 +165,9 @@ class MemorySnapshots:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._held = self._scan()  # a restarted rank's slots hold the previous attempt's snapshots
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="phalanx-snapshot", initializer=_lower_priority)
+        # Across nodes, each snapshot is copied to a rank on the next node too (peer_snapshots.py).
+        self.peer = PeerCopies(self.dir.parent, env.rank, env.world_size, say) \
+            if self._writer is not None and spans_nodes(env.world_size) else None
 
     def due(self, step: int) -> bool:
         """The same answer on every rank (a rank whose writes failed still calls take(), which then only
@@ -265,6 +269,8 @@ class MemorySnapshots:
         tmp = self.dir / f".tmp-{side.name}"
         tmp.write_text(json.dumps(sidecar))
         os.replace(tmp, side)  # last: now the snapshot counts
+        if self.peer is not None:
+            self.peer.offer(sidecar["step"], slot.flat, sidecar)
 
     def _wait(self) -> None:
         pending, self.pending = self.pending, None
@@ -336,6 +342,10 @@ class MemorySnapshots:
         if self._writer is None:
             return None
         t0 = time.perf_counter()
+        if self.peer is not None:  # a replacement node's rank: its peer's copy of the newest step
+            got = self.peer.fetch(self.steps(), newer_than)
+            if got is not None:
+                self._install(*got)
         mine, notes = self._candidates()
         gathered = _gather((mine, notes))
         common = set(gathered[0][0]).intersection(*(set(g[0]) for g in gathered[1:]))
@@ -416,6 +426,23 @@ class MemorySnapshots:
         for newer in (s for s in self.steps() if s > step):
             self._drop(newer)
 
+    def _install(self, step: int, data: torch.Tensor, sidecar: dict[str, Any]) -> None:
+        """Make a peer's copy of this rank's snapshot of `step` one of this rank's own (a free slot, else
+        the oldest snapshot's), checked and loaded from here on as any other."""
+        free = [i for i in range(SLOTS) if i not in self._held]
+        index = free[0] if free else min(self._held, key=self._held.get)
+        if index in self._held:
+            self._drop(self._held[index])
+        with open(self.dir / f"slot_{index}.bin", "wb") as f:
+            f.write(memoryview(data.numpy()))
+        side = self.dir / f"step_{step:08d}.json"
+        tmp = self.dir / f".tmp-{side.name}"
+        tmp.write_text(json.dumps({**sidecar, "slot": index}))
+        os.replace(tmp, side)
+        self._held[index] = step
+        self.say(f"rank {self.env.rank}: restored its snapshot of step {step} from the peer copy held by "
+                 f"rank {self.peer.holder(self.env.rank)}")
+
     def _drop(self, step: int) -> None:
         """Forget the snapshot of `step`: its slot is free for the next one."""
         (self.dir / f"step_{step:08d}.json").unlink(missing_ok=True)
@@ -427,6 +454,8 @@ class MemorySnapshots:
             self._wait()
             self._writer.shutdown(wait=True)
             self._writer = None
+        if getattr(self, "peer", None) is not None:
+            self.peer.close()
 
 
 def _trainer_mismatch(payload: dict[str, Any], model_args: dict[str, Any]) -> str | None:

@@ -5,8 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import phalanx.models.llama as llama
-from phalanx.models.llama import ModelArgs, Transformer, apply_rope, rope_tables, rotate_half
+from phalanx.models import llama
+from phalanx.models.llama import (
+    ModelArgs,
+    Transformer,
+    apply_rope,
+    rope_tables,
+    rotate_half,
+)
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=384, max_seq_len=64)
 
