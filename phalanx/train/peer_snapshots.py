@@ -105,7 +105,7 @@ class PeerCopies:
                           group=self.group)
                 dist.send(payload, self.target, group=self.group)
                 self.sent.append((step, time.perf_counter() - t0))
-            except RuntimeError:  # (DistBackendError) the peer is gone: the training group fails too and the agent restarts us
+            except RuntimeError:  # (DistBackendError) the peer is gone: training fails too, the agent restarts us
                 return
             finally:
                 with self._wake:
@@ -206,6 +206,8 @@ def store(directory: Path, step: int, data: torch.Tensor, sidecar: str) -> None:
     """Keep a peer copy: its bytes, then its sidecar (last: now it counts); the oldest beyond KEEP go."""
     directory.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
+    # A step sent again (retrained after a rollback): its old sidecar goes first, so none names torn bytes.
+    (directory / f"{name}.json").unlink(missing_ok=True)
     with open(directory / f"{name}.bin", "wb") as f:
         f.write(memoryview(data.numpy()))
     tmp = directory / f".tmp-{name}.json"
