@@ -73,6 +73,20 @@ def peer_sources(launch: Path) -> dict[int, Path]:
     return found
 
 
+def sidecar_path(directory: Path, step: int) -> Path:
+    """The sidecar of a snapshot (or a peer copy) of `step` in a rank or peer directory."""
+    return Path(directory) / f"step_{step:08d}.json"
+
+
+def write_sidecar(directory: Path, step: int, text: str) -> None:
+    """Write the sidecar of `step` whole or not at all (a temporary file, then a rename): it is written
+    last, and from then on the snapshot counts."""
+    side = sidecar_path(directory, step)
+    tmp = side.with_name(f".tmp-{side.name}")
+    tmp.write_text(text)
+    os.replace(tmp, side)
+
+
 def complete_steps(rank_dir: Path) -> list[int]:
     """The steps a rank directory holds a complete snapshot of (its sidecar written), oldest first."""
     found = []

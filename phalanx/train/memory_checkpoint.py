@@ -47,7 +47,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 from phalanx.parallel.distributed import DistEnv
-from phalanx.run.snapshots import complete_steps, launch_dir, remove_stale
+from phalanx.run.snapshots import (
+    complete_steps,
+    launch_dir,
+    remove_stale,
+    sidecar_path,
+    write_sidecar,
+)
 from phalanx.safe.rank_guard import ENV_AGENT_PID
 from phalanx.train.checkpoint import STATE_DICT_OPTIONS, rng_state, set_rng_state
 from phalanx.train.peer_snapshots import PeerCopies, spans_nodes
@@ -252,9 +258,9 @@ class MemorySnapshots:
         held = {}
         for step in self.steps():
             try:
-                held[int(json.loads((self.dir / f"step_{step:08d}.json").read_text())["slot"])] = step
+                held[int(json.loads(sidecar_path(self.dir, step).read_text())["slot"])] = step
             except (OSError, ValueError, KeyError, TypeError):
-                (self.dir / f"step_{step:08d}.json").unlink(missing_ok=True)  # names no slot we could reuse
+                sidecar_path(self.dir, step).unlink(missing_ok=True)  # names no slot we could reuse
         return held
 
     def flush(self) -> None:
@@ -265,10 +271,7 @@ class MemorySnapshots:
         if copied is not None:
             copied.synchronize()
         sidecar["crc32"] = slot.crc32()
-        side = self.dir / f"step_{sidecar['step']:08d}.json"
-        tmp = self.dir / f".tmp-{side.name}"
-        tmp.write_text(json.dumps(sidecar))
-        os.replace(tmp, side)  # last: now the snapshot counts
+        write_sidecar(self.dir, sidecar["step"], json.dumps(sidecar))  # last: now the snapshot counts
         if self.peer is not None:
             self.peer.offer(sidecar["step"], slot.flat, sidecar)
 
@@ -321,7 +324,7 @@ class MemorySnapshots:
         good, ignored = [], {}
         for step in self.steps():
             try:
-                side = json.loads((self.dir / f"step_{step:08d}.json").read_text())
+                side = json.loads(sidecar_path(self.dir, step).read_text())
             except (OSError, ValueError):
                 ignored.setdefault("its sidecar is unreadable", []).append(step)
                 continue
@@ -367,7 +370,7 @@ class MemorySnapshots:
                 if not any(errors := _gather(error)):
                     state = json.loads(loaded["trainer"])
                     set_rng_state(loaded["rng"], self.env.device)
-                    return Loaded(step, state, self.dir / f"step_{step:08d}.json", time.perf_counter() - t0)
+                    return Loaded(step, state, sidecar_path(self.dir, step), time.perf_counter() - t0)
                 if any(e and e.startswith("applying") for e in errors):
                     # Some ranks hold part of it now: drop it so the restart does not try it again.
                     self._drop(step)
@@ -381,10 +384,10 @@ class MemorySnapshots:
 
     def _read(self, step: int) -> dict[str, Any]:
         """The snapshot of `step` as views into its slot, after checking its sidecar and the slot's CRC."""
-        side = json.loads((self.dir / f"step_{step:08d}.json").read_text())
+        side = json.loads(sidecar_path(self.dir, step).read_text())
         if side.get("format") != FORMAT or side.get("step") != step or side.get("rank") != self.env.rank \
                 or side.get("slot") not in range(SLOTS):
-            raise ValueError(f"step_{step:08d}.json is not this rank's snapshot of step {step}")
+            raise ValueError(f"{sidecar_path(self.dir, step).name} is not this rank's snapshot of step {step}")
         slot = Slot(self.dir / f"slot_{side['slot']}.bin", int(side["bytes"]), create=False)
         if slot.crc32() != side.get("crc32"):
             raise ValueError(f"slot {side['slot']} does not match the CRC-32 recorded for step {step} "
@@ -435,17 +438,14 @@ class MemorySnapshots:
             self._drop(self._held[index])
         with open(self.dir / f"slot_{index}.bin", "wb") as f:
             f.write(memoryview(data.numpy()))
-        side = self.dir / f"step_{step:08d}.json"
-        tmp = self.dir / f".tmp-{side.name}"
-        tmp.write_text(json.dumps({**sidecar, "slot": index}))
-        os.replace(tmp, side)
+        write_sidecar(self.dir, step, json.dumps({**sidecar, "slot": index}))
         self._held[index] = step
         self.say(f"rank {self.env.rank}: restored its snapshot of step {step} from the peer copy held by "
                  f"rank {self.peer.holder(self.env.rank)}")
 
     def _drop(self, step: int) -> None:
         """Forget the snapshot of `step`: its slot is free for the next one."""
-        (self.dir / f"step_{step:08d}.json").unlink(missing_ok=True)
+        sidecar_path(self.dir, step).unlink(missing_ok=True)
         self._held = {i: s for i, s in self._held.items() if s != step}
 
     def close(self) -> None:
@@ -454,7 +454,7 @@ class MemorySnapshots:
             self._wait()
             self._writer.shutdown(wait=True)
             self._writer = None
-        if getattr(self, "peer", None) is not None:
+        if self.peer is not None:
             self.peer.close()
 
 

@@ -34,7 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.run.snapshots import complete_steps, peer_dir, peer_sources
+from phalanx.run.snapshots import (
+    complete_steps,
+    peer_dir,
+    peer_sources,
+    sidecar_path,
+    write_sidecar,
+)
 
 KEEP = 2  # copies held per source rank: the newest, and the one before (a peer may have finished one fewer)
 STOP = -1
@@ -51,7 +57,7 @@ class PeerCopies:
     def __init__(self, launch: Path, rank: int, world_size: int, say: Callable[[str], None]):
         self.launch, self.rank, self.world, self.say = launch, rank, world_size, say
         self.local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-        self.target = (rank + self.local) % world_size  # who holds my copies
+        self.target = self.holder(rank)  # who holds my copies
         self.source = (rank - self.local) % world_size  # whose copies I hold
         self.group = dist.new_group(backend="gloo")
         self._lock = threading.Lock()
@@ -205,22 +211,22 @@ def _lower_priority() -> None:
 def store(directory: Path, step: int, data: torch.Tensor, sidecar: str) -> None:
     """Keep a peer copy: its bytes, then its sidecar (last: now it counts); the oldest beyond KEEP go."""
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:08d}"
     # A step sent again (retrained after a rollback): its old sidecar goes first, so none names torn bytes.
-    (directory / f"{name}.json").unlink(missing_ok=True)
-    with open(directory / f"{name}.bin", "wb") as f:
+    sidecar_path(directory, step).unlink(missing_ok=True)
+    with open(_bytes_path(directory, step), "wb") as f:
         f.write(memoryview(data.numpy()))
-    tmp = directory / f".tmp-{name}.json"
-    tmp.write_text(sidecar)
-    os.replace(tmp, directory / f"{name}.json")
+    write_sidecar(directory, step, sidecar)
     for old in complete_steps(directory)[:-KEEP]:
-        (directory / f"step_{old:08d}.json").unlink(missing_ok=True)  # the sidecar first: never torn bytes
-        (directory / f"step_{old:08d}.bin").unlink(missing_ok=True)
+        sidecar_path(directory, old).unlink(missing_ok=True)  # the sidecar first: never torn bytes
+        _bytes_path(directory, old).unlink(missing_ok=True)
 
 
 def load_raw(directory: Path, step: int) -> tuple[torch.Tensor, str]:
     """A held copy's bytes and sidecar text, unchecked (the receiver checks the CRC)."""
-    name = f"step_{step:08d}"
-    side = (directory / f"{name}.json").read_text()
-    data = torch.frombuffer(bytearray((directory / f"{name}.bin").read_bytes()), dtype=torch.uint8)
+    side = sidecar_path(directory, step).read_text()
+    data = torch.frombuffer(bytearray(_bytes_path(directory, step).read_bytes()), dtype=torch.uint8)
     return data, side
+
+
+def _bytes_path(directory: Path, step: int) -> Path:
+    return sidecar_path(directory, step).with_suffix(".bin")
