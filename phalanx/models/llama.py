@@ -211,12 +211,17 @@ class Attention(nn.Module):
         cache_v[rows_B, :, positions_B] = v_BKTE[:, :, 0]
         # Query head h reads kv head h // group (HF's repeat_kv order), without copying the cache.
         group = self.n_heads // self.n_kv_heads
-        q_BKGE = q_BHTE.reshape(B, self.n_kv_heads, group, self.head_dim)
-        scores_BKGS = (q_BKGE @ cache_k[:B].transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        # On CPU a bf16 model attends in float32 (the cache's bf16 values cast exactly): torch's batched
+        # matmuls at these shapes (torch 2.13, one thread, 12 heads x 64, 128 keys) ran at 144 us per layer
+        # in bf16 against 73 us with the casts at one row, and 1.95 ms against 1.52 ms at 16 rows.
+        compute = torch.float32 if q_BHTE.device.type == "cpu" else q_BHTE.dtype
+        q_BKGE = q_BHTE.reshape(B, self.n_kv_heads, group, self.head_dim).to(compute)
+        scores_BKGS = (q_BKGE @ cache_k[:B].to(compute).transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
         visible_B11S = (torch.arange(S, device=q_BHTE.device)[None, :] <= positions_B[:, None]).view(B, 1, 1, S)
         scores_BKGS = scores_BKGS.masked_fill(~visible_B11S, float("-inf"))
-        probs_BKGS = torch.softmax(scores_BKGS.float(), dim=-1).to(q_BHTE.dtype)
-        return (probs_BKGS @ cache_v[:B]).reshape(B, 1, self.n_heads * self.head_dim)
+        probs_BKGS = torch.softmax(scores_BKGS.float(), dim=-1).to(compute)
+        out_BKGE = probs_BKGS @ cache_v[:B].to(compute)
+        return out_BKGE.to(q_BHTE.dtype).reshape(B, 1, self.n_heads * self.head_dim)
 
 
 class FeedForward(nn.Module):
