@@ -179,7 +179,8 @@ class Attention(nn.Module):
             end = start_pos + T
             cache_k[:B, :, start_pos:end] = k_BKTE
             cache_v[:B, :, start_pos:end] = v_BKTE
-            k_BKTE, v_BKTE = cache_k[:B, :, :end], cache_v[:B, :, :end]
+            # A cache may hold a bf16 model's keys in float32 (a server's on CPU, engine.py): cast back, exactly.
+            k_BKTE, v_BKTE = cache_k[:B, :, :end].to(q_BHTE.dtype), cache_v[:B, :, :end].to(q_BHTE.dtype)
             if T == 1:
                 is_causal = False  # one new query may see every cached key
             elif start_pos > 0:
@@ -207,13 +208,14 @@ class Attention(nn.Module):
         cache_k, cache_v = kv_cache
         B, S = q_BHTE.shape[0], cache_k.shape[2]
         rows_B = torch.arange(B, device=q_BHTE.device)
-        cache_k[rows_B, :, positions_B] = k_BKTE[:, :, 0]
-        cache_v[rows_B, :, positions_B] = v_BKTE[:, :, 0]
+        cache_k[rows_B, :, positions_B] = k_BKTE[:, :, 0].to(cache_k.dtype)
+        cache_v[rows_B, :, positions_B] = v_BKTE[:, :, 0].to(cache_v.dtype)
         # Query head h reads kv head h // group (HF's repeat_kv order), without copying the cache.
         group = self.n_heads // self.n_kv_heads
-        # On CPU a bf16 model attends in float32 (the cache's bf16 values cast exactly): torch's batched
-        # matmuls at these shapes (torch 2.13, one thread, 12 heads x 64, 128 keys) ran at 144 us per layer
-        # in bf16 against 73 us with the casts at one row, and 1.95 ms against 1.52 ms at 16 rows.
+        # On CPU a bf16 model attends in float32 (the cache's bf16 values, exactly): torch's batched matmuls
+        # at these shapes (torch 2.13, one thread, 12 heads x 64, 128 keys, per layer) took 144 us in bf16,
+        # 73 us casting a bf16 cache, 43 us on a float32 cache at one row; 1.95, 1.52 and 0.70 ms at 16.
+        # A server on CPU keeps such a cache in float32 (engine.py), so the casts below are no-ops there.
         compute = torch.float32 if q_BHTE.device.type == "cpu" else q_BHTE.dtype
         q_BKGE = q_BHTE.reshape(B, self.n_kv_heads, group, self.head_dim).to(compute)
         scores_BKGS = (q_BKGE @ cache_k[:B].to(compute).transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))

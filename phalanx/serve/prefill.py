@@ -109,8 +109,10 @@ def _attend_each(attention: Attention, x_1TD, cos_TE, sin_TE, lengths, cache_k, 
         values[:, :, :n] = v_1KTE[:, :, start:end]
         # is_causal only where there is a triangle: a one-token prompt's lone query sees its one key, as
         # the model's forward does it (T == 1: not causal).
-        outs.append(F.scaled_dot_product_attention(q_1HTE[:, :, start:end], keys[:, :, :n], values[:, :, :n],
-                                                   is_causal=n > 1, enable_gqa=True))
+        # A server's float32 cache holds a bf16 model's keys exactly (engine.py): cast them back.
+        dtype = q_1HTE.dtype
+        outs.append(F.scaled_dot_product_attention(q_1HTE[:, :, start:end], keys[:, :, :n].to(dtype),
+                                                   values[:, :, :n].to(dtype), is_causal=n > 1, enable_gqa=True))
         start = end
     return attention.wo(torch.cat(outs, dim=2).transpose(1, 2).reshape(1, T, -1))
 
