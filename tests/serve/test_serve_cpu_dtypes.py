@@ -16,7 +16,7 @@ import pytest
 import torch
 from serve_helpers import wait_healthy
 
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.llama import KVCache, ModelArgs, Transformer
 from phalanx.serve.engine import Engine
 from phalanx.serve.int8_weights import Int8WeightLinear, quantize_linear_weights
 from phalanx.serve.options import SamplingOptions
@@ -61,6 +61,31 @@ def test_a_server_defaults_to_bfloat16_where_the_cpu_has_bf16_units():
     assert pick_device("cpu", "auto")[1] == torch.float32  # generate and local chat keep float32
     assert pick_device("cpu", "float32", serving=True)[1] == torch.float32  # asked for: kept
     assert pick_device("cpu", "auto", quantize="int8")[1] == torch.bfloat16
+
+
+def test_a_float32_cache_holds_a_bf16_models_keys_and_values_exactly(tokenizer):
+    """The engine keeps a bf16 model's KV cache in float32 on CPU (its decode attention runs in float32,
+    engine.py): prefill and batched decode over it give the very bits they give over a bf16 cache."""
+    torch.manual_seed(0)
+    model = Transformer(ARGS).to(torch.bfloat16).eval()
+    seqs = [torch.randint(0, ARGS.vocab_size, (n + 1,)) for n in (9, 30, 1)]
+
+    def logits(cache_dtype):
+        cache = KVCache(ARGS, len(seqs), 64, dtype=cache_dtype)
+        out = []
+        with torch.no_grad():
+            for row, seq in enumerate(seqs):
+                view = type("Row", (), {"max_len": 64, "layer": lambda self, i, r=row: (cache.k[i][r:r + 1],
+                                                                                       cache.v[i][r:r + 1])})()
+                out.append(model(seq[None, :-1], view, start_pos=0)[0, -1])
+            last = torch.stack([seq[-1] for seq in seqs])[:, None]
+            out.append(model(last, cache, positions_B=torch.tensor([len(s) - 1 for s in seqs]))[:, 0])
+        return out
+
+    assert all(torch.equal(a, b) for a, b in zip(logits(torch.float32), logits(torch.bfloat16)))
+    engine = Engine(model, tokenizer, slots=2, max_queue=0)
+    assert engine.cache.k[0].dtype == torch.float32 and engine.kv_cache_bytes == 4 * 2 * ARGS.n_layers * (
+        2 + 1) * ARGS.n_kv_heads * ARGS.max_seq_len * ARGS.head_dim  # k and v, 2 slots and the chunk row
 
 
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])
