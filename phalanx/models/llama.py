@@ -143,6 +143,15 @@ def apply_rope(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor)
     return x_BNTE * cos_TE + torch.cat((x2, x1), dim=-1) * torch.cat((-sin1, sin2), dim=-1)
 
 
+def decode_attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """What batched decoding (Attention.attend_rows) attends in, and so what a server keeps its KV cache in:
+    float32 on CPU (a bf16 model's cached values cast exactly), the model's dtype elsewhere. torch's
+    batched matmuls at decode shapes (torch 2.13, one thread, 12 heads x 64, 128 keys, per layer) took
+    144 us in bf16, 73 us casting a bf16 cache and 43 us on a float32 cache at one row; 1.95, 1.52 and
+    0.70 ms at 16 rows."""
+    return torch.float32 if torch.device(device).type == "cpu" else dtype
+
+
 class Attention(nn.Module):
     # Context parallelism (set from outside, parallel/context_parallel.py): each rank holds a slice of
     # every sequence, and this callable (q_BHTE, k_BKTE, v_BKTE) -> out_BHTE attends the local queries
@@ -212,11 +221,8 @@ class Attention(nn.Module):
         cache_v[rows_B, :, positions_B] = v_BKTE[:, :, 0].to(cache_v.dtype)
         # Query head h reads kv head h // group (HF's repeat_kv order), without copying the cache.
         group = self.n_heads // self.n_kv_heads
-        # On CPU a bf16 model attends in float32 (the cache's bf16 values, exactly): torch's batched matmuls
-        # at these shapes (torch 2.13, one thread, 12 heads x 64, 128 keys, per layer) took 144 us in bf16,
-        # 73 us casting a bf16 cache, 43 us on a float32 cache at one row; 1.95, 1.52 and 0.70 ms at 16.
-        # A server on CPU keeps such a cache in float32 (engine.py), so the casts below are no-ops there.
-        compute = torch.float32 if q_BHTE.device.type == "cpu" else q_BHTE.dtype
+        # A server keeps its cache in this dtype (engine.py), so the casts below are no-ops there.
+        compute = decode_attention_dtype(q_BHTE.device, q_BHTE.dtype)
         q_BKGE = q_BHTE.reshape(B, self.n_kv_heads, group, self.head_dim).to(compute)
         scores_BKGS = (q_BKGE @ cache_k[:B].to(compute).transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
         visible_B11S = (torch.arange(S, device=q_BHTE.device)[None, :] <= positions_B[:, None]).view(B, 1, 1, S)

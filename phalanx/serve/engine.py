@@ -64,7 +64,7 @@ import torch
 from tokenizers import Tokenizer
 
 from phalanx.data.tokenizer import special_ids
-from phalanx.models.llama import KVCache, Transformer
+from phalanx.models.llama import KVCache, Transformer, decode_attention_dtype
 from phalanx.serve.options import SamplingOptions
 from phalanx.serve.prefill import (
     MAX_PREFILL_TOKENS,
@@ -475,11 +475,10 @@ class Engine(SlotScheduler):
         self.context = min(context or args.max_seq_len, args.max_seq_len)
         weight = model.tok_embeddings.weight
         self.device = weight.device
-        # On CPU a bf16 model's cache is kept in float32 (its values are the bf16 ones, exactly): decode
-        # steps then attend in float32 without casting the cache (Attention.attend_rows: 2-3x faster than
-        # bf16 there), for twice the cache's memory.
-        self.cache_dtype = torch.float32 if self.device.type == "cpu" else weight.dtype
-        self.cache = KVCache(args, slots, self.context, dtype=self.cache_dtype, device=self.device)
+        # The dtype decode attends in (float32 on CPU, whatever the model's): no cast of the cache per step,
+        # for twice a bf16 model's cache memory.
+        cache_dtype = decode_attention_dtype(self.device, weight.dtype)
+        self.cache = KVCache(args, slots, self.context, dtype=cache_dtype, device=self.device)
         # Steps sized to the running requests only where each row is then provably the same bits; prompts
         # prefilled together only where tall products keep them so too (prefill.py).
         self.sized_steps = make_rows_invariant(self.model)
@@ -490,7 +489,7 @@ class Engine(SlotScheduler):
         # of their own: decode steps write their idle rows' position 0, which must not land in a prompt
         # half prefilled, and the running rows stay packed. One prompt chunks at a time, the rest queue.
         self.prefill_chunk: int | None = PREFILL_CHUNK_TOKENS
-        self._chunk_cache = KVCache(args, 1, self.context, dtype=self.cache_dtype, device=self.device)
+        self._chunk_cache = KVCache(args, 1, self.context, dtype=cache_dtype, device=self.device)
         self._chunking: deque[_Running] = deque()  # joined, prompt not yet prefilled; the first is chunking
         self._chunked_to = 0  # where the first one's next chunk starts
         self._rows: dict[int, int] = {}  # slot -> its cache row; running requests hold rows 0..n-1
