@@ -11,6 +11,7 @@ K kv heads, N heads of either kind, E head dim, V vocab.
 import math
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -131,16 +132,37 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
-    # Cast the tables to q/k's dtype (HF casts them to the activations' dtype): under bf16 autocast the
-    # projections are bf16, and float32 tables would promote q and k, and so attention, to float32.
-    cos_TE, sin_TE = cos_TE.to(x_BNTE.dtype), sin_TE.to(x_BNTE.dtype)
-    # rotate_half(x) * sin with the minus sign moved onto the (small) table: cat(-x2, x1) * sin equals
-    # cat(x2, x1) * cat(-sin1, sin2) bit for bit (negation is exact), and it saves a pass over half of q
-    # and k in the forward and one over their gradients in the backward.
+def rope_rotation(cos_TE: torch.Tensor, sin_TE: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two tables every layer's RoPE multiplies q and k by (`rotate`), made once per forward rather
+    than twice per layer (a decode step's tables are tiny, so there the per-layer casts and cats cost
+    more than the rotation). cos and sin are cast to q/k's dtype (HF casts them to the activations'
+    dtype: under bf16 autocast float32 tables would promote q and k, and so attention, to float32), and
+    rotate_half's minus sign moves onto the table: cat(-x2, x1) * sin equals cat(x2, x1) * cat(-sin1,
+    sin2) bit for bit (negation is exact), which saves a pass over half of q and k in the forward and
+    one over their gradients in the backward."""
+    cos_TE, sin_TE = cos_TE.to(dtype), sin_TE.to(dtype)
     sin1, sin2 = sin_TE.chunk(2, dim=-1)
+    return cos_TE, torch.cat((-sin1, sin2), dim=-1)
+
+
+def rotate(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, signed_sin_TE: torch.Tensor) -> torch.Tensor:
+    """RoPE with tables from rope_rotation. Tables made for another dtype than x's are cast here, so a
+    caller that guessed q's dtype wrong loses only time."""
+    if cos_TE.dtype != x_BNTE.dtype:
+        cos_TE, signed_sin_TE = cos_TE.to(x_BNTE.dtype), signed_sin_TE.to(x_BNTE.dtype)
     x1, x2 = x_BNTE.chunk(2, dim=-1)
-    return x_BNTE * cos_TE + torch.cat((x2, x1), dim=-1) * torch.cat((-sin1, sin2), dim=-1)
+    return x_BNTE * cos_TE + torch.cat((x2, x1), dim=-1) * signed_sin_TE
+
+
+def apply_rope(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
+    """RoPE of x by HF-layout tables (rope_tables), in one call."""
+    return rotate(x_BNTE, *rope_rotation(cos_TE, sin_TE, x_BNTE.dtype))
+
+
+def rope_dtype(x_BTD: torch.Tensor) -> torch.dtype:
+    """The dtype q and k will have for layer input x: autocast's where it is on, else x's own."""
+    device = x_BTD.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_BTD.dtype
 
 
 def decode_attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -150,6 +172,22 @@ def decode_attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dt
     144 us in bf16, 73 us casting a bf16 cache and 43 us on a float32 cache at one row; 1.95, 1.52 and
     0.70 ms at 16 rows."""
     return torch.float32 if torch.device(device).type == "cpu" else dtype
+
+
+class DecodeRows(NamedTuple):
+    """Batched decoding's per-step facts, made once per forward for every layer (Transformer.forward):
+    row b's new token sits at position positions_B[b] of a cache `span` positions long, and sees the
+    cached positions up to there (hidden_B11S masks the rest)."""
+
+    positions_B: torch.Tensor
+    rows_B: torch.Tensor
+    hidden_B11S: torch.Tensor
+
+    @classmethod
+    def of(cls, positions_B: torch.Tensor, span: int) -> "DecodeRows":
+        B = positions_B.shape[0]
+        visible_BS = torch.arange(span, device=positions_B.device)[None, :] <= positions_B[:, None]
+        return cls(positions_B, torch.arange(B, device=positions_B.device), (~visible_BS).view(B, 1, 1, span))
 
 
 class Attention(nn.Module):
@@ -167,16 +205,18 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x_BTD, cos_TE, sin_TE, kv_cache=None, start_pos: int = 0, positions_B=None):
+    def forward(self, x_BTD, cos_TE, signed_sin_TE, kv_cache=None, start_pos: int = 0, decode_rows=None):
+        """cos_TE and signed_sin_TE come from rope_rotation; decode_rows (a DecodeRows) means batched
+        decoding, one new token per row at its own position."""
         B, T, _ = x_BTD.shape
         # -1 heads: under tensor parallelism each rank projects only its share of the heads.
         q_BTX, k_BTX, v_BTX = shared_input_linears(x_BTD, [self.wq, self.wk, self.wv])
         q_BHTE = q_BTX.view(B, T, -1, self.head_dim).transpose(1, 2)
         k_BKTE = k_BTX.view(B, T, -1, self.head_dim).transpose(1, 2)
         v_BKTE = v_BTX.view(B, T, -1, self.head_dim).transpose(1, 2)
-        q_BHTE, k_BKTE = apply_rope(q_BHTE, cos_TE, sin_TE), apply_rope(k_BKTE, cos_TE, sin_TE)
-        if positions_B is not None:
-            return self.wo(self.attend_rows(q_BHTE, k_BKTE, v_BKTE, kv_cache, positions_B))
+        q_BHTE, k_BKTE = rotate(q_BHTE, cos_TE, signed_sin_TE), rotate(k_BKTE, cos_TE, signed_sin_TE)
+        if decode_rows is not None:
+            return self.wo(self.attend_rows(q_BHTE, k_BKTE, v_BKTE, kv_cache, decode_rows))
         if self.split_attention is not None:
             if kv_cache is not None:
                 raise PhalanxError("context parallelism splits training sequences; it has no KV cache")
@@ -209,24 +249,22 @@ class Attention(nn.Module):
         )
         return self.wo(out_BHTE.transpose(1, 2).reshape(B, T, -1))
 
-    def attend_rows(self, q_BHTE, k_BKTE, v_BKTE, kv_cache, positions_B):
+    def attend_rows(self, q_BHTE, k_BKTE, v_BKTE, kv_cache, rows: DecodeRows):
         """Batched decoding (a server's continuous batching): one new token per row, row b's at its own
-        position positions_B[b], attending to its cached keys up to there. Spelt out rather than SDPA: on
-        CPU, SDPA shares rows out between threads so that a row's last bits change with its batch index,
+        position rows.positions_B[b], attending to its cached keys up to there. Spelt out rather than SDPA:
+        on CPU, SDPA shares rows out between threads so that a row's last bits change with its batch index,
         and a served request must get the same tokens whoever its neighbours are. Returns (B, 1, H * E)."""
         cache_k, cache_v = kv_cache
-        B, S = q_BHTE.shape[0], cache_k.shape[2]
-        rows_B = torch.arange(B, device=q_BHTE.device)
-        cache_k[rows_B, :, positions_B] = k_BKTE[:, :, 0].to(cache_k.dtype)
-        cache_v[rows_B, :, positions_B] = v_BKTE[:, :, 0].to(cache_v.dtype)
+        B = q_BHTE.shape[0]
+        cache_k[rows.rows_B, :, rows.positions_B] = k_BKTE[:, :, 0].to(cache_k.dtype)
+        cache_v[rows.rows_B, :, rows.positions_B] = v_BKTE[:, :, 0].to(cache_v.dtype)
         # Query head h reads kv head h // group (HF's repeat_kv order), without copying the cache.
         group = self.n_heads // self.n_kv_heads
         # A server keeps its cache in this dtype (engine.py), so the casts below are no-ops there.
         compute = decode_attention_dtype(q_BHTE.device, q_BHTE.dtype)
         q_BKGE = q_BHTE.reshape(B, self.n_kv_heads, group, self.head_dim).to(compute)
         scores_BKGS = (q_BKGE @ cache_k[:B].to(compute).transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
-        visible_B11S = (torch.arange(S, device=q_BHTE.device)[None, :] <= positions_B[:, None]).view(B, 1, 1, S)
-        scores_BKGS = scores_BKGS.masked_fill(~visible_B11S, float("-inf"))
+        scores_BKGS = scores_BKGS.masked_fill(rows.hidden_B11S, float("-inf"))
         probs_BKGS = torch.softmax(scores_BKGS.float(), dim=-1).to(compute)
         out_BKGE = probs_BKGS @ cache_v[:B].to(compute)
         return out_BKGE.to(q_BHTE.dtype).reshape(B, 1, self.n_heads * self.head_dim)
@@ -254,8 +292,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x_BTD, cos_TE, sin_TE, kv_cache=None, start_pos: int = 0, positions_B=None):
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TE, sin_TE, kv_cache, start_pos, positions_B)
+    def forward(self, x_BTD, cos_TE, signed_sin_TE, kv_cache=None, start_pos: int = 0, decode_rows=None):
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TE, signed_sin_TE, kv_cache, start_pos,
+                                       decode_rows)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -363,9 +402,11 @@ class Transformer(nn.Module):
                 cos_TE, sin_TE = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
 
         x_BTD = self.tok_embeddings(tokens_BT)
+        cos_TE, signed_sin_TE = rope_rotation(cos_TE, sin_TE, rope_dtype(x_BTD))
+        rows = DecodeRows.of(positions_B, cache.max_len) if positions_B is not None else None
         for i, layer in enumerate(self.layers):
-            x_BTD = layer(x_BTD, cos_TE, sin_TE, cache.layer(i) if cache is not None else None, start_pos,
-                          positions_B)
+            x_BTD = layer(x_BTD, cos_TE, signed_sin_TE, cache.layer(i) if cache is not None else None, start_pos,
+                          rows)
         return self.output(self.norm(x_BTD))
 
     def hidden_states(self, tokens_BT: torch.Tensor) -> torch.Tensor:
@@ -376,8 +417,9 @@ class Transformer(nn.Module):
         if T > self.args.max_seq_len:
             raise PhalanxError(f"sequence of {T} tokens exceeds the model's max_seq_len {self.args.max_seq_len}")
         x_BTD = self.tok_embeddings(tokens_BT)
+        rope = rope_rotation(self.rope_cos[:T], self.rope_sin[:T], rope_dtype(x_BTD))
         for layer in self.layers:
-            x_BTD = layer(x_BTD, self.rope_cos[:T], self.rope_sin[:T])
+            x_BTD = layer(x_BTD, *rope)
         return self.norm(x_BTD)
 
     def num_params(self) -> int:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.llama import ModelArgs, Transformer, rope_dtype, rope_rotation
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 # Interleaving gives each rank this many stages ("virtual stages"); two is what torchtitan defaults to and
@@ -123,9 +123,9 @@ class TransformerStage(nn.Module):
             T = x.shape[1] * self.sequence_shards
         if T > self.args.max_seq_len:
             raise PhalanxError(f"sequence of {T} tokens exceeds the model's max_seq_len {self.args.max_seq_len}")
-        cos_TE, sin_TE = self.rope_cos[:T], self.rope_sin[:T]
+        rope = rope_rotation(self.rope_cos[:T], self.rope_sin[:T], rope_dtype(x))
         for layer in self.layers.values():
-            x = layer(x, cos_TE, sin_TE)
+            x = layer(x, *rope)
         if self.output is not None:
             x = self.output(self.norm(x))
         return x

@@ -42,7 +42,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     })
     if tied:  # both split the shared (vocab, dim) weight by rows: one parameter again
         model.output.weight = model.tok_embeddings.weight
-    # The attention takes (x, cos, sin, kv_cache, start_pos, positions_B): only x is distributed.
+    # The attention takes (x, cos, signed sin, kv_cache, start_pos, decode_rows): only x is distributed.
     attention_inputs = (Shard(1), None, None, None, None, None)
     for block in model.layers:
         parallelize_module(block, tp_mesh, {

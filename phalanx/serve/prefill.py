@@ -27,7 +27,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from phalanx.models.llama import Attention, KVCache, Transformer, apply_rope
+from phalanx.models.llama import (
+    Attention,
+    KVCache,
+    Transformer,
+    rope_dtype,
+    rope_rotation,
+    rotate,
+)
 from phalanx.serve.row_invariant import RowInvariantLinear
 
 # Prompt tokens one step boundary prefills together at most (engine.py's prefill_budget; a longer prompt
@@ -84,23 +91,23 @@ def prefill_together(model: Transformer, prompts: list[list[int]], cache: KVCach
     lengths = [len(p) for p in prompts]
     tokens_1T = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=device)
     positions_T = torch.cat([torch.arange(n, device=device) for n in lengths])
-    cos_TE, sin_TE = model.rope_cos[positions_T], model.rope_sin[positions_T]
     x_1TD = model.tok_embeddings(tokens_1T)
+    rope = rope_rotation(model.rope_cos[positions_T], model.rope_sin[positions_T], rope_dtype(x_1TD))
     for i, block in enumerate(model.layers):
-        h_1TD = x_1TD + _attend_each(block.attention, block.attention_norm(x_1TD), cos_TE, sin_TE,
-                                     lengths, cache.k[i], cache.v[i], rows)
+        h_1TD = x_1TD + _attend_each(block.attention, block.attention_norm(x_1TD), rope, lengths, cache.k[i],
+                                     cache.v[i], rows)
         x_1TD = h_1TD + block.feed_forward(block.ffn_norm(h_1TD))
     last = torch.tensor(lengths, device=device).cumsum(0) - 1
     return model.output(model.norm(x_1TD[:, last]))[0]
 
 
-def _attend_each(attention: Attention, x_1TD, cos_TE, sin_TE, lengths, cache_k, cache_v, rows):
+def _attend_each(attention: Attention, x_1TD, rope, lengths, cache_k, cache_v, rows):
     """Attention.forward for each prompt alone (start_pos 0), on one projection of all of them."""
     T, E = x_1TD.shape[1], attention.head_dim
     q_1HTE = attention.wq(x_1TD).view(1, T, -1, E).transpose(1, 2)
     k_1KTE = attention.wk(x_1TD).view(1, T, -1, E).transpose(1, 2)
     v_1KTE = attention.wv(x_1TD).view(1, T, -1, E).transpose(1, 2)
-    q_1HTE, k_1KTE = apply_rope(q_1HTE, cos_TE, sin_TE), apply_rope(k_1KTE, cos_TE, sin_TE)
+    q_1HTE, k_1KTE = rotate(q_1HTE, *rope), rotate(k_1KTE, *rope)
     outs, start = [], 0
     for n, row in zip(lengths, rows):
         end = start + n
@@ -132,8 +139,8 @@ def prefill_chunk(model: Transformer, chunk: list[int], cache: KVCache, start: i
     through the final norm and the output layer: the other rows' logits are never used."""
     device = model.tok_embeddings.weight.device
     end = start + len(chunk)
-    cos_TE, sin_TE = model.rope_cos[start:end], model.rope_sin[start:end]
     x_1TD = model.tok_embeddings(torch.tensor([chunk], dtype=torch.long, device=device))
+    rope = rope_rotation(model.rope_cos[start:end], model.rope_sin[start:end], rope_dtype(x_1TD))
     for i, block in enumerate(model.layers):
-        x_1TD = block(x_1TD, cos_TE, sin_TE, cache.layer(i), start)
+        x_1TD = block(x_1TD, *rope, cache.layer(i), start)
     return model.output(model.norm(x_1TD[:, -1:]))[0, -1]
