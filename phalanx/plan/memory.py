@@ -199,20 +199,23 @@ class _StepWalk:
         seq, whole, heads = bt * d // tp, bt * d, bt * a.n_heads * a.head_dim // tp
         # Two RMSNorm rsqrt (B, T, 1) and SDPA's logsumexp (B, H, T), float32 in every regime.
         small = FP32 * (2 * bt // tp + w.micro_batch * a.n_heads // tp * w.seq_len)
-        # RoPE's tables as its products save them, T x E for q and for k: under bf16 the cos cast and the
-        # signed sin (cat(-sin1, sin2)), both bf16; in float32 the signed sin only (cos is the buffer).
-        rope = (4 * BF16 if w.dtype == "bfloat16" else 2 * FP32) * w.seq_len * a.head_dim
         if w.regime == "float32":
             # input x, norm y, norm out (shared by wq/wk/wv), q, SDPA out (= wo's input, a view), h,
             # ffn norm y and out; k, v; w1 out (silu's input), silu out, w3 out, their product.
-            return FP32 * (4 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small + rope
+            return FP32 * (4 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
         if w.regime == "autocast":
             # float32: x, norm y, h, ffn norm y. bf16: each norm output cast once for the projections that
             # share it (wq/wk/wv, w1/w3: models/fused_linear.py), q, SDPA out; k, v; the four SwiGLU tensors.
-            return FP32 * 4 * seq + BF16 * (2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small + rope
+            return FP32 * 4 * seq + BF16 * (2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
         # fsdp_bf16: each norm saves its float32 upcast (2), and bf16: norm y and out (x2), q, SDPA
         # out; k, v; the SwiGLU four.
-        return FP32 * 2 * seq + BF16 * (2 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small + rope
+        return FP32 * 2 * seq + BF16 * (2 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
+
+    def rope_saved(self) -> int:
+        """RoPE's tables, made once per forward for every block (models/llama.py: rope_rotation) and kept
+        by each block's products: under bf16 the cos cast and the signed sin, both bf16, T x E; in
+        float32 the signed sin only (cos is the buffer itself)."""
+        return (2 * BF16 if self.w.dtype == "bfloat16" else FP32) * self.w.seq_len * self.w.args.head_dim
 
     def head_saved(self) -> int:
         """Final norm, output projection and loss: log_softmax's float32 result and the norm's tensors."""
@@ -243,7 +246,7 @@ class _StepWalk:
         live.add(ACTIVATIONS, 2 * INT64 * self.bt * w.accumulation, "start")  # every micro-batch's tokens
         # A pipeline stage's earlier micro-batches, waiting for their backward: their blocks' saved tensors.
         per_block = self.block_input() if w.activation_checkpointing else self.block_saved()
-        live.add(ACTIVATIONS, (w.in_flight - 1) * w.args.n_layers * per_block, "start")
+        live.add(ACTIVATIONS, (w.in_flight - 1) * (w.args.n_layers * per_block + self.rope_saved()), "start")
         saved = self._forward_saved()
         # Later micro-batches start with the earlier ones' gradients (and logits) alive; the last one
         # also reduces them, so the first and the last show the peak of any number.
@@ -259,7 +262,7 @@ class _StepWalk:
 
     def _forward_saved(self) -> int:
         block = self.block_input() if self.w.activation_checkpointing else self.block_saved()
-        return self.w.args.n_layers * block + self.head_saved() + self.logits
+        return self.w.args.n_layers * block + self.rope_saved() + self.head_saved() + self.logits
 
     def _gather(self, numel_padded: float, moment: str) -> None:
         """FSDP all-gather of one group: the flat output buffer (and gloo's copy of it), then the
@@ -276,6 +279,7 @@ class _StepWalk:
         per_block_copies, output_copy = self.autocast_copies()
         if self.w.sharded:
             self._gather(self.root_padded, "forward: all-gather of the root group")
+        live.add(ACTIVATIONS, self.rope_saved(), "forward: RoPE tables")
         for i in range(a.n_layers):
             where = f"forward: block {i}"
             if w.sharded:
@@ -346,6 +350,7 @@ class _StepWalk:
                 rs_input = self._reduce_scatter(self.block_numel, self.block_padded, fsdp_grad, rs_input,
                                                 last, where + " reduce-scatter")
 
+        live.free(ACTIVATIONS, self.rope_saved())  # the last block that kept them is done
         # Embedding: a dense V x D gradient. Tied, autograd adds it to the output projection's (waiting
         # in the engine's input buffer) out of place: old, new and sum are alive together for a moment.
         where = "backward: embedding"

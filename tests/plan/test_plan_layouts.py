@@ -51,9 +51,11 @@ def test_pipeline_stage_holds_its_micro_batches_in_flight():
     args = MODEL_PRESETS["8b"]
     one = estimate(Workload(args, "fsdp", 8, 1, 4096))
     four = estimate(Workload(args, "fsdp", 8, 1, 4096, in_flight=4))
-    # three more micro-batches' blocks, each what autograd saves for one block (test_plan_memory checks that)
-    block = (four.peak_bytes - one.peak_bytes) / (3 * args.n_layers)
-    assert block == pytest.approx(_StepWalk(Workload(args, "fsdp", 8, 1, 4096)).block_saved())
+    # three more micro-batches' blocks, each what autograd saves for one block (test_plan_memory checks that),
+    # and each micro-batch's RoPE tables
+    walk = _StepWalk(Workload(args, "fsdp", 8, 1, 4096))
+    per_micro_batch = args.n_layers * walk.block_saved() + walk.rope_saved()
+    assert four.peak_bytes - one.peak_bytes == pytest.approx(3 * per_micro_batch)
     # tensor parallelism divides each rank's resident state (parameters, gradients, optimizer states)
     tp = estimate(Workload(args, "fsdp", 4, 1, 4096, tp=2))
     assert tp.optimizer_states == pytest.approx(one.optimizer_states, rel=0.01)  # 8 ranks either way

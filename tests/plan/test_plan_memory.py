@@ -107,7 +107,8 @@ def test_accumulation_keeps_gradients_alive_between_micro_batches():
 
 # -- activations as autograd saves them ---------------------------------------------------------------
 def saved_bytes_by_unit(args, regime, batch, seq):
-    """Bytes of the distinct storages autograd saves, by the unit whose forward saved them."""
+    """Bytes of the distinct storages autograd saves, by the unit whose forward saved them ("shared":
+    saved by more than one unit)."""
     torch.manual_seed(0)
     model = Transformer(args)
     autocast = regime == "autocast"
@@ -120,7 +121,8 @@ def saved_bytes_by_unit(args, regime, batch, seq):
     def pack(t):
         storage = t.untyped_storage()
         if storage.data_ptr() not in weights and t.dtype != torch.int64:  # tokens are counted apart
-            saved[storage.data_ptr()] = (storage.nbytes(), unit[0])
+            nbytes, where = saved.get(storage.data_ptr(), (storage.nbytes(), unit[0]))
+            saved[storage.data_ptr()] = (nbytes, where if where == unit[0] else "shared")
         return t
 
     for i, layer in enumerate(model.layers):
@@ -147,4 +149,5 @@ def test_block_and_head_activations_match_what_autograd_saves(regime):
     measured = saved_bytes_by_unit(SMALL, regime, batch, seq)
     per_block, output_copy = walk.autocast_copies()
     assert measured["block0"] == measured["block1"] == walk.block_saved() + per_block
+    assert measured["shared"] == walk.rope_saved()  # RoPE's tables, made once for every block
     assert measured["head"] == walk.head_saved() + output_copy
