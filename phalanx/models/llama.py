@@ -146,8 +146,8 @@ def rope_rotation(cos_TE: torch.Tensor, sin_TE: torch.Tensor, dtype: torch.dtype
 
 
 def rotate(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, signed_sin_TE: torch.Tensor) -> torch.Tensor:
-    """RoPE with tables from rope_rotation. Tables made for another dtype than x's are cast here, so a
-    caller that guessed q's dtype wrong loses only time."""
+    """RoPE with tables from rope_rotation, made for x's dtype (rope_dtype). Tables of another dtype are
+    cast here so that q and k keep theirs; tables made narrower than x then carry their rounding."""
     if cos_TE.dtype != x_BNTE.dtype:
         cos_TE, signed_sin_TE = cos_TE.to(x_BNTE.dtype), signed_sin_TE.to(x_BNTE.dtype)
     x1, x2 = x_BNTE.chunk(2, dim=-1)

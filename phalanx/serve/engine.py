@@ -299,8 +299,9 @@ class SlotScheduler(TokenOutput):
     shut-down and how a request ends. An engine sets slots, max_queue, context and thread_name, calls
     _init_queue(), and supplies _join(slot, request) (or _join_all(pending), the requests joining at one
     boundary) and _step(); _release(slot), _run() (the thread's body, which an engine may wrap) and
-    _thread_ends() are its hooks for its own cache and resources. prefill_budget: prompt tokens joining at one boundary (beyond the first
-    request's, each counted by _boundary_tokens); the rest join at the next, after a decode step."""
+    _thread_ends() are its hooks for its own cache and resources. prefill_budget: prompt tokens joining at
+    one boundary (beyond the first request's, each counted by _boundary_tokens); the rest join at the
+    next, after a decode step."""
 
     thread_name = "phalanx-engine"
     prefill_budget: float = float("inf")
