@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.errors import PhalanxError
-from phalanx.models.fused_linear import shared_input_linears
+from phalanx.models.fused_linear import is_plain, shared_input_linears
+from phalanx.models.rms_norm import rms_norm
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 even under bf16, and multiply by the weight after casting back: HF's order,
-        # which decides the last bits of the logits. torch's rms_norm: on CPU (torch 2.13) it runs the same
-        # x * rsqrt(mean(x^2) + eps) ops as HF, bit for bit (checked in float32 and bfloat16); on GPUs it
-        # is one fused kernel instead of four element-wise passes.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # which decides the last bits of the logits (models/rms_norm.py: and a faster backward on CPU).
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -150,8 +149,47 @@ def rotate(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, signed_sin_TE: torch.Tens
     cast here so that q and k keep theirs; tables made narrower than x then carry their rounding."""
     if cos_TE.dtype != x_BNTE.dtype:
         cos_TE, signed_sin_TE = cos_TE.to(x_BNTE.dtype), signed_sin_TE.to(x_BNTE.dtype)
+    # Training takes the written-out backward (_Rotation). Inference keeps the composite: a decode step's
+    # tensors are tiny, and there the cat costs less than _rotated's extra slicing. Compiled, inductor
+    # fuses the composite anyway (and dynamo refuses _rotated's strided out=).
+    if (torch.is_grad_enabled() and x_BNTE.requires_grad and is_plain(x_BNTE)
+            and not torch.compiler.is_compiling()):
+        return _Rotation.apply(x_BNTE, cos_TE, signed_sin_TE)
     x1, x2 = x_BNTE.chunk(2, dim=-1)
     return x_BNTE * cos_TE + torch.cat((x2, x1), dim=-1) * signed_sin_TE
+
+
+def _rotated(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, signed_sin_TE: torch.Tensor) -> torch.Tensor:
+    """x * cos + cat(x2, x1) * signed_sin, the same products and sum (so the same bits), with the swapped
+    halves' products written straight into their places instead of concatenating x's halves first."""
+    half = x_BNTE.shape[-1] // 2
+    swapped = torch.empty(torch.broadcast_shapes(x_BNTE.shape, signed_sin_TE.shape), dtype=x_BNTE.dtype,
+                          device=x_BNTE.device)
+    torch.mul(x_BNTE[..., half:], signed_sin_TE[..., :half], out=swapped[..., :half])
+    torch.mul(x_BNTE[..., :half], signed_sin_TE[..., half:], out=swapped[..., half:])
+    return (x_BNTE * cos_TE).add_(swapped)
+
+
+class _Rotation(torch.autograd.Function):
+    """RoPE whose backward is written out: the rotation's transpose, dx = g * cos + cat(g2 * s2, g1 * s1)
+    (g's halves g1, g2, the signed sin's s1, s2), the same products and sums autograd of the composite
+    forms, so the same bits, in three passes instead of its five and a concatenation. It keeps the same
+    two tables for the backward, and nothing of x."""
+
+    @staticmethod
+    def forward(ctx, x_BNTE, cos_TE, signed_sin_TE):
+        ctx.save_for_backward(cos_TE, signed_sin_TE)
+        return _rotated(x_BNTE, cos_TE, signed_sin_TE)
+
+    @staticmethod
+    def backward(ctx, grad_BNTE):
+        cos_TE, signed_sin_TE = ctx.saved_tensors
+        half = grad_BNTE.shape[-1] // 2
+        grad = torch.empty(torch.broadcast_shapes(grad_BNTE.shape, signed_sin_TE.shape), dtype=grad_BNTE.dtype,
+                           device=grad_BNTE.device)
+        torch.mul(grad_BNTE[..., half:], signed_sin_TE[..., half:], out=grad[..., :half])
+        torch.mul(grad_BNTE[..., :half], signed_sin_TE[..., :half], out=grad[..., half:])
+        return (grad_BNTE * cos_TE).add_(grad), None, None
 
 
 def apply_rope(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:

@@ -199,17 +199,23 @@ class _StepWalk:
         seq, whole, heads = bt * d // tp, bt * d, bt * a.n_heads * a.head_dim // tp
         # Two RMSNorm rsqrt (B, T, 1) and SDPA's logsumexp (B, H, T), float32 in every regime.
         small = FP32 * (2 * bt // tp + w.micro_batch * a.n_heads // tp * w.seq_len)
+        # Each norm's own tensors (its output is the projections'): on CPU without TP its hand-written
+        # backward (models/rms_norm.py) keeps the float32 normalised value only; the composite keeps its
+        # float32 input (in float32 the block input x or h itself) and the normalised value cast back.
+        norms = 2 * self._norm_saved(seq)
         if w.regime == "float32":
-            # input x, norm y, norm out (shared by wq/wk/wv), q, SDPA out (= wo's input, a view), h,
-            # ffn norm y and out; k, v; w1 out (silu's input), silu out, w3 out, their product.
-            return FP32 * (4 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
-        if w.regime == "autocast":
-            # float32: x, norm y, h, ffn norm y. bf16: each norm output cast once for the projections that
-            # share it (wq/wk/wv, w1/w3: models/fused_linear.py), q, SDPA out; k, v; the four SwiGLU tensors.
-            return FP32 * 4 * seq + BF16 * (2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
-        # fsdp_bf16: each norm saves its float32 upcast (2), and bf16: norm y and out (x2), q, SDPA
-        # out; k, v; the SwiGLU four.
-        return FP32 * 2 * seq + BF16 * (2 * seq + 2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
+            # norm out (shared by wq/wk/wv), q, SDPA out (= wo's input, a view), ffn norm out; k, v;
+            # w1 out (silu's input), silu out, w3 out, their product.
+            return norms + FP32 * (2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
+        # bf16: each norm output cast once for the projections that share it (wq/wk/wv, w1/w3:
+        # models/fused_linear.py), q, SDPA out; k, v; the four SwiGLU tensors.
+        return norms + BF16 * (2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
+
+    def _norm_saved(self, tokens_x_dim: int) -> int:
+        """What one RMSNorm keeps for its backward, besides its rsqrt, for this many elements."""
+        if self.w.device_kind == "cpu" and self.w.tp == 1:
+            return FP32 * tokens_x_dim
+        return FP32 * tokens_x_dim + (BF16 if self.w.regime == "fsdp_bf16" else FP32) * tokens_x_dim
 
     def rope_saved(self) -> int:
         """RoPE's tables, made once per forward for every block (models/llama.py: rope_rotation) and kept
@@ -223,8 +229,7 @@ class _StepWalk:
         # The norm's own tensors hold 1/tp of the tokens under TP; the output projection's gathered input
         # is whole (the last of the three terms of each regime). The logits are gathered whole.
         seq = bt * d // tp
-        norm = {"float32": FP32 * (2 * seq + bt * d), "autocast": FP32 * 2 * seq + BF16 * bt * d,
-                "fsdp_bf16": FP32 * seq + BF16 * (seq + bt * d)}[self.w.regime]
+        norm = self._norm_saved(seq) + (FP32 if self.w.regime == "float32" else BF16) * bt * d
         return FP32 * self.btv + norm + FP32 * bt + FP32  # and nll_loss's total weight, a scalar
 
     def block_input(self) -> int:

@@ -55,3 +55,30 @@ def test_rope_equals_rotate_half_bit_for_bit(dtype):
     x = torch.randn(2, 4, 64, 16).to(dtype)
     expected = x * cos.to(dtype) + rotate_half(x) * sin.to(dtype)
     assert torch.equal(apply_rope(x, cos, sin), expected)
+
+
+def rotate_half_rope(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_roped_q_and_its_gradient_are_the_composites_bits(dtype):
+    """RoPE's written-out backward (llama._Rotation) and its cat-free forward, on the strided q the
+    attention hands it, against autograd of the plain formula."""
+    cos, sin = rope_tables(16, 64, 10000.0)
+    signed = llama.rope_rotation(cos[:24], sin[:24], dtype)
+    q = torch.randn(2, 24, 4, 16).to(dtype).transpose(1, 2)  # (B, H, T, E) as a view, like Attention's
+    grad = torch.randn(2, 4, 24, 16).to(dtype)
+    ours, plain = q.detach().requires_grad_(), q.detach().requires_grad_()
+    out = llama.rotate(ours, *signed)
+    out.backward(grad)
+    assert type(out.grad_fn).__name__ == "_RotationBackward"
+    expected = rotate_half_rope(plain, cos[:24].to(dtype), sin[:24].to(dtype))
+    expected.backward(grad)
+    assert torch.equal(out, expected) and torch.equal(ours.grad, plain.grad)
+    # decoding: per-row tables (B, 1, 1, E), no autograd
+    positions = torch.tensor([3, 40])
+    row_cos, row_sin = cos[positions][:, None, None], sin[positions][:, None, None]
+    x = torch.randn(2, 4, 1, 16).to(dtype)
+    assert torch.equal(llama.rotate(x, *llama.rope_rotation(row_cos, row_sin, dtype)),
+                       rotate_half_rope(x, row_cos.to(dtype), row_sin.to(dtype)))
