@@ -149,11 +149,12 @@ def rotate(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, signed_sin_TE: torch.Tens
     cast here so that q and k keep theirs; tables made narrower than x then carry their rounding."""
     if cos_TE.dtype != x_BNTE.dtype:
         cos_TE, signed_sin_TE = cos_TE.to(x_BNTE.dtype), signed_sin_TE.to(x_BNTE.dtype)
-    # Training takes the written-out backward (_Rotation). Inference keeps the composite: a decode step's
-    # tensors are tiny, and there the cat costs less than _rotated's extra slicing. Compiled, inductor
-    # fuses the composite anyway (and dynamo refuses _rotated's strided out=).
-    if (torch.is_grad_enabled() and x_BNTE.requires_grad and is_plain(x_BNTE)
-            and not torch.compiler.is_compiling()):
+    # Training takes the written-out backward (_Rotation), which has no gradient for the tables. Inference
+    # keeps the composite, the ops serving's decode-step timings were measured with (its tensors are tiny,
+    # so op count matters there more than passes). Compiled, inductor fuses the composite anyway (and
+    # dynamo refuses _rotated's strided out=).
+    if (torch.is_grad_enabled() and x_BNTE.requires_grad and is_plain(x_BNTE) and not cos_TE.requires_grad
+            and not signed_sin_TE.requires_grad and not torch.compiler.is_compiling()):
         return _Rotation.apply(x_BNTE, cos_TE, signed_sin_TE)
     x1, x2 = x_BNTE.chunk(2, dim=-1)
     return x_BNTE * cos_TE + torch.cat((x2, x1), dim=-1) * signed_sin_TE
