@@ -49,8 +49,10 @@ def build(tmp_path: Path, parallel: dict, nproc: int) -> dict[str, torch.Tensor]
     out = tmp_path / f"params-{len(list(tmp_path.iterdir()))}.pt"
     command = [sys.executable, str(WORKER), json.dumps(parallel), str(out)]
     if nproc > 1:
-        command[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
+        # --standalone: a free port of its own, not the default 29500 another launch may still hold
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{parallel} on {nproc} ranks exited {result.returncode}:\n{result.stderr[-4000:]}"
     merged: dict[str, torch.Tensor] = {}
     for rank in range(nproc):  # every rank's share: pipeline stages hold different parameters
         merged.update(torch.load(f"{out}.{rank}"))
