@@ -185,12 +185,9 @@ class _Rotation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_BNTE):
         cos_TE, signed_sin_TE = ctx.saved_tensors
-        half = grad_BNTE.shape[-1] // 2
-        grad = torch.empty(torch.broadcast_shapes(grad_BNTE.shape, signed_sin_TE.shape), dtype=grad_BNTE.dtype,
-                           device=grad_BNTE.device)
-        torch.mul(grad_BNTE[..., half:], signed_sin_TE[..., half:], out=grad[..., :half])
-        torch.mul(grad_BNTE[..., :half], signed_sin_TE[..., :half], out=grad[..., half:])
-        return (grad_BNTE * cos_TE).add_(grad), None, None
+        # The forward's own arithmetic with the signed sin's halves swapped (a table T x E, tiny).
+        s1, s2 = signed_sin_TE.chunk(2, dim=-1)
+        return _rotated(grad_BNTE, cos_TE, torch.cat((s2, s1), dim=-1)), None, None
 
 
 def apply_rope(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
