@@ -72,7 +72,10 @@ def register(app: typer.Typer) -> None:
         threads: Optional[int] = typer.Option(None, "--threads", min=1,
                                               help="CPU threads for the model (default: torch's, one per core)."),
         engine: str = typer.Option("torch", "--engine",
-                                   help="torch (phalanx's engine) or llamacpp (llama.cpp on a GGUF export)."),
+                                   help="torch (phalanx's engine), llamacpp (llama.cpp on a GGUF export) or vllm "
+                                        "(vLLM on a Hugging Face export)."),
+        tensor_parallel: int = typer.Option(1, "--tensor-parallel", min=1,
+                                            help="GPUs to shard the model over (vllm engine)."),
         quantize: str = typer.Option("none", "--quantize",
                                      help="none, or int8: weight-only int8 with bfloat16 activations (torch "
                                           "engine, CPU; half of bf16's weight memory)."),
@@ -88,12 +91,13 @@ def register(app: typer.Typer) -> None:
         phalanx serve runs/demo
         phalanx serve exports/demo-hf --port 8000 --slots 16
         phalanx serve exports/demo-q8 --engine llamacpp
+        phalanx serve exports/demo-hf --engine vllm
         phalanx serve runs/demo --quantize int8
         """
         from phalanx.serve.server import serve as run_server
 
         run_server(path, host, port, api_key or None, model_name, slots, max_queue, context, device, dtype, threads,
-                   log_level, tuple(allowed_hosts), engine, quantize)
+                   log_level, tuple(allowed_hosts), engine, quantize, tensor_parallel)
 
     @app.command()
     def chat(

@@ -237,13 +237,14 @@ def step_span(longest: int, context: int) -> int:
 
 
 class TokenOutput:
-    """What happens to each token an engine picks, the same for every engine (this one and
-    llamacpp_engine.py): counts and timings, the sampler's and the grammar's state, end-of-text, stop
-    strings, the token budget, log-probabilities and the text handed out. A running request (`run`) has
-    request, sampler, stops, text, logprobs, generated, first_token_at and last_token; the engine has
-    observer, eos_id, vocabulary and its own _finish(run, reason)."""
+    """What happens to each token an engine picks, the same for every engine (this one,
+    llamacpp_engine.py and vllm_engine.py): counts and timings, the sampler's and the grammar's state,
+    end-of-text, stop strings, the token budget, log-probabilities and the text handed out. A running
+    request (`run`) has request, sampler, stops, text, logprobs, generated, first_token_at and last_token;
+    the engine has observer, eos_id, vocabulary and its own _finish(run, reason). `scores` is what the
+    engine's _logprob_entry reads: the row's logits here and in llama.cpp, vLLM's logprobs there."""
 
-    def _take(self, run, token: int, logits_V: torch.Tensor) -> None:
+    def _take(self, run, token: int, scores) -> None:
         now = time.perf_counter()
         if run.first_token_at is None:
             run.first_token_at = now
@@ -252,14 +253,15 @@ class TokenOutput:
         run.generated += 1
         if self.observer:
             self.observer.tokens_generated(1)
-        run.sampler.accept(token)
+        if run.sampler is not None:  # None where the engine underneath samples (vLLM)
+            run.sampler.accept(token)
         constraint = run.request.constraint
         if constraint is not None:
             constraint.accept(token)
         if token == self.eos_id and not run.request.options.ignore_eos:
             return self._finish(run, "stop")
         if run.logprobs is not None:
-            run.logprobs.append(self._logprob_entry(token, logits_V, run.request.top_logprobs))
+            run.logprobs.append(self._logprob_entry(token, scores, run.request.top_logprobs))
         piece = run.stops.push(run.text.push(token))
         if piece:
             self._deliver(run, piece)

@@ -17,7 +17,7 @@ from phalanx.http_guard import server_hosts
 from phalanx.listen import bind, is_loopback
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ENGINES = ("torch", "llamacpp")
+ENGINES = ("torch", "llamacpp", "vllm")
 QUANTIZE = ("none", "int8")
 
 
@@ -54,8 +54,9 @@ def cpu_has_bf16_units() -> bool:
     return any(check is not None and check() for check in checks)
 
 
-def build_engine(kind: str, served, slots: int, max_queue: int, context: int | None, observer):
-    """The engine under the APIs: phalanx's own (torch), or llama.cpp on a GGUF export."""
+def build_engine(kind: str, served, slots: int, max_queue: int, context: int | None, observer,
+                 dtype: torch.dtype = torch.float32, tensor_parallel: int = 1, threads: int | None = None):
+    """The engine under the APIs: phalanx's own (torch), llama.cpp on a GGUF export or vLLM on an HF export."""
     if kind == "torch":
         from phalanx.serve.engine import Engine
 
@@ -69,13 +70,21 @@ def build_engine(kind: str, served, slots: int, max_queue: int, context: int | N
 
         return LlamaCppEngine(served.loaded.checkpoint, served.loaded.tokenizer, slots=slots, max_queue=max_queue,
                               context=context, threads=torch.get_num_threads(), observer=observer)
+    if kind == "vllm":
+        if served.loaded.format != "safetensors":
+            raise PhalanxError(f"--engine vllm serves a Hugging Face export, and {served.source} is not one; write "
+                               f"one with: phalanx export {served.source} --format hf --out DIR")
+        from phalanx.serve.vllm_engine import VllmEngine
+
+        return VllmEngine(served.loaded.checkpoint, served.loaded.tokenizer, dtype, slots=slots, max_queue=max_queue,
+                          context=context, tensor_parallel=tensor_parallel, threads=threads, observer=observer)
     raise PhalanxError(f"--engine must be one of {', '.join(ENGINES)}, not {kind!r}")
 
 
 def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str | None, slots: int,
           max_queue: int, context: int | None, device: str, dtype: str, threads: int | None = None,
           log_level: str = "info", allowed_hosts: tuple[str, ...] = (), engine_kind: str = "torch",
-          quantize: str = "none") -> None:
+          quantize: str = "none", tensor_parallel: int = 1) -> None:
     import uvicorn
 
     from phalanx.serve.app import create_app
@@ -88,12 +97,15 @@ def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str
     if quantize != "none" and engine_kind != "torch":
         raise PhalanxError(f"--quantize is for the torch engine; --engine {engine_kind} serves the GGUF's own "
                            "weight types (phalanx export --format gguf --dtype q8_0 ...)")
+    if tensor_parallel != 1 and engine_kind != "vllm":
+        raise PhalanxError("--tensor-parallel is for --engine vllm; the torch and llama.cpp engines serve on one device")
     torch_device, torch_dtype = pick_device(device, dtype, quantize, serving=True)
     if threads is not None:
         # On a CPU shared with other work, fewer threads than cores avoid stalls at every op's barrier.
         torch.set_num_threads(threads)
     sock = bind(host, port)
-    served = load_served_model(path, torch_device, torch_dtype, name=model_name)
+    # vLLM loads the export onto its devices itself; phalanx's copy (for /api/show and embeddings) stays on the CPU.
+    served = load_served_model(path, "cpu" if engine_kind == "vllm" else torch_device, torch_dtype, name=model_name)
     if quantize == "int8":
         from phalanx.serve.int8_weights import quantize_linear_weights
 
@@ -102,12 +114,13 @@ def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str
     if context is not None and context > max_seq_len:
         raise PhalanxError(f"--context {context} is longer than the model's max_seq_len {max_seq_len}")
     metrics = ServeMetrics()
-    engine = build_engine(engine_kind, served, slots, max_queue, context, metrics)
+    engine = build_engine(engine_kind, served, slots, max_queue, context, metrics, torch_dtype, tensor_parallel,
+                          threads)
     app = create_app(served, engine, metrics, api_key=api_key, allowed_hosts=server_hosts(host, allowed_hosts))
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    runs_on = f"{torch_dtype}{', int8 weights' if quantize == 'int8' else ''}, {torch_device}" \
-        if engine_kind == "torch" else "llama.cpp, cpu"
+    runs_on = {"torch": f"{torch_dtype}{', int8 weights' if quantize == 'int8' else ''}, {torch_device}",
+               "llamacpp": "llama.cpp, cpu", "vllm": f"vLLM, {torch_dtype}, tensor parallel {tensor_parallel}"}[engine_kind]
     print(f"phalanx serve: model '{served.name}' ({served.parameters / 1e6:.1f}M parameters, {runs_on}), {slots} slots x {engine.context} tokens, KV cache "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB, queue {max_queue}, {torch.get_num_threads()} threads"
           f"{', API key required' if api_key else ''}", flush=True)
