@@ -125,18 +125,27 @@ def test_sigterm_saves_at_the_step_it_stops_and_resumes_there_exactly(base, clea
 
 
 def test_sigterm_while_the_ranks_start_exits_143_at_once(base, runs_root):
-    name = "agent-drill-sigterm-start"
-    proc = start(base, name)
-    deadline = time.monotonic() + 120
-    while len(rank_processes(proc.pid)) < 2 and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
-    ranks = rank_processes(proc.pid)
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)  # the ranks are still importing torch or forming the group
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
-    assert time.monotonic() - sent < 10 and all(gone(r) for r in ranks)
-    assert "Traceback" not in err
-    metrics = runs_root / name / "metrics.jsonl"
-    assert not metrics.exists() or not [m for m in read_metrics(runs_root / name) if "loss" in m]  # no step trained
+    # Forked from the warm server, the ranks reach their first step a fraction of a second after they
+    # appear; on a loaded machine the signal sometimes reaches them after it. That try stops as a
+    # preemption in training (the test above), and the drill is tried again, three times at most.
+    for attempt in range(3):
+        name = f"agent-drill-sigterm-start-{attempt}"
+        proc = start(base, name)
+        deadline = time.monotonic() + 120
+        while len(ranks := rank_processes(proc.pid)) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # the ranks are still forming the group, building or evaluating
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143, err
+        assert time.monotonic() - sent < 10 and all(gone(r) for r in ranks)
+        assert "Traceback" not in err
+        preempted = [e for e in read_events(runs_root / name) if e["kind"] == "preempted"]
+        if preempted:  # it reached the ranks in training: they stopped at a step boundary and saved
+            assert preempted[0]["saved"]
+            continue
+        metrics = runs_root / name / "metrics.jsonl"
+        assert not metrics.exists() or not [m for m in read_metrics(runs_root / name) if "loss" in m]  # none trained
+        return
+    pytest.fail("in three tries the SIGTERM never landed before the first step")
