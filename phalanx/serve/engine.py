@@ -450,6 +450,22 @@ class SlotScheduler(TokenOutput):
         stream._deliver(Finish(reason, len(run.request.prompt_ids), run.generated, run.request.submitted_at,
                                run.prefill_started_at, run.first_token_at, time.perf_counter(), error))
 
+    def _ends_before_start(self, request: _Request, vocab_size: int | None = None) -> bool:
+        """End a joining request that needs no slot: cancelled while it waited, no room for a token, or
+        (given the engine's vocab_size, where a bad id would fail a whole batch) a prompt token the model
+        does not have."""
+        if request.stream.cancelled:
+            self._finish_unstarted(request, "cancelled")
+        elif request.limit == 0:
+            self._finish_unstarted(request, "length")
+        elif vocab_size is not None and (bad := next((t for t in request.prompt_ids if not 0 <= t < vocab_size),
+                                                      None)) is not None:
+            self._finish_unstarted(request, "error", f"generation failed: token id {bad} is not in the model's "
+                                                     f"vocabulary of {vocab_size}")
+        else:
+            return False
+        return True
+
     def _finish_unstarted(self, request: _Request, reason: str, error: str | None = None) -> None:
         now = time.perf_counter()
         request.stream._deliver(Finish(reason, len(request.prompt_ids), 0, request.submitted_at, now, None, now,
@@ -611,10 +627,8 @@ class Engine(SlotScheduler):
 
     def _start(self, slot: int, request: _Request) -> _Running | None:
         """A joining request's running state in the next free cache row; None if it ends before a prefill."""
-        if request.stream.cancelled:
-            return self._finish_unstarted(request, "cancelled")
-        if request.limit == 0:
-            return self._finish_unstarted(request, "length")
+        if self._ends_before_start(request):
+            return None
         try:
             run = _Running(request, slot, len(request.prompt_ids),
                            RequestSampler(request.options, request.prompt_ids, self.context, self.device),

@@ -127,14 +127,8 @@ class LlamaCppEngine(SlotScheduler):
 
     def _join(self, slot: int, request: _Request) -> None:
         """Give a request its slot; its prompt is fed by the coming steps."""
-        if request.stream.cancelled:
-            return self._finish_unstarted(request, "cancelled")
-        if request.limit == 0:
-            return self._finish_unstarted(request, "length")
-        bad = next((t for t in request.prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:  # llama.cpp would refuse the whole batch, failing its neighbours too
-            return self._finish_unstarted(request, "error", f"generation failed: token id {bad} is not in the "
-                                                            f"model's vocabulary of {self.vocab_size}")
+        if self._ends_before_start(request, self.vocab_size):
+            return
         try:
             seq = _Sequence(request, slot, RequestSampler(request.options, request.prompt_ids, self.context, CPU),
                             IncrementalText(self.tokenizer), StopMatcher(request.options.stop), time.perf_counter(),

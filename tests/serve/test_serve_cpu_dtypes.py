@@ -102,7 +102,9 @@ def test_greedy_tokens_are_the_same_alone_and_in_a_busy_batch(corpus, weights):
 
     def run(slots):
         engine = Engine(model, tokenizer, slots=slots, max_queue=len(requests))
-        assert engine.sized_steps
+        if not engine.sized_steps:  # measured at start: oneDNN's bf16 rows vary with the batch on this CPU
+            pytest.skip(f"this CPU's {weights} products are not row-invariant (no bf16 units), so the engine "
+                        "runs full-shape steps and promises no alone-or-busy equality")
         engine.start()
         try:
             streams = [engine.submit(ids, options, top_logprobs=1) for ids, options in requests]

@@ -18,14 +18,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from phalanx.models.llama import ModelArgs
-from serve_helpers import API_KEY, wait_healthy
+from serve_helpers import API_KEY, serve_process
 
 ARGS = ModelArgs(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab_size=384, max_seq_len=256,
                  tie_embeddings=False)
@@ -94,26 +93,11 @@ def test_stop_strings_seeds_cancellation_and_bad_requests(checks):
 @pytest.fixture(scope="module")
 def vllm_server(export, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
-    env = {**os.environ, "PYTHONPATH": ""}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "phalanx", "serve", str(export), "--engine", "vllm",
-                                 "--dtype", "float32", "--port", "0", "--api-key", API_KEY, "--model-name", "tiny-vllm",
-                                 "--slots", "4", "--context", "256", "--threads", "1", "--log-level", "warning"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not (found := re.search(r"listening on (http://\S+)", log.read_text())):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"phalanx serve --engine vllm did not start:\n{log.read_text()}")
-            time.sleep(0.2)
-        wait_healthy(found.group(1), proc, log)
-        yield found.group(1), log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with serve_process([str(VLLM_PYTHON), "-m", "phalanx", "serve", str(export), "--engine", "vllm", "--dtype",
+                        "float32", "--port", "0", "--api-key", API_KEY, "--model-name", "tiny-vllm", "--slots", "4",
+                        "--context", "256", "--threads", "1", "--log-level", "warning"], log, start_timeout=300,
+                       env={**os.environ, "PYTHONPATH": ""}) as url:
+        yield url, log
 
 
 @needs_vllm
