@@ -99,6 +99,17 @@ def model_args_from_hf_config(config: dict, where: Path) -> ModelArgs:
         raise PhalanxError(f"{where}/{CONFIG_FILE} lacks {e.args[0]!r}") from None
 
 
+def read_hf_args(path: Path) -> ModelArgs:
+    """The ModelArgs of an HF export directory, from its config.json alone."""
+    try:
+        config = json.loads((Path(path) / CONFIG_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise PhalanxError(f"{path}/{CONFIG_FILE} is not valid JSON") from None
+    except OSError as e:
+        raise PhalanxError(f"{path}/{CONFIG_FILE} could not be read: {e.strerror}") from None
+    return model_args_from_hf_config(config, Path(path))
+
+
 def read_hf_model(path: Path) -> Transformer:
     """A phalanx model (float32, on the CPU) from an HF Llama directory. Weights come from
     model.safetensors only (never pickle)."""
@@ -108,11 +119,7 @@ def read_hf_model(path: Path) -> Transformer:
     path = Path(path)
     if not is_hf_export(path):
         raise PhalanxError(f"{path} is not a Hugging Face export (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    try:
-        config = json.loads((path / CONFIG_FILE).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise PhalanxError(f"{path}/{CONFIG_FILE} is not valid JSON") from None
-    args = model_args_from_hf_config(config, path)
+    args = read_hf_args(path)
     try:
         hf_tensors = load_file(str(path / WEIGHTS_FILE))
     except (SafetensorError, OSError) as e:

@@ -38,6 +38,8 @@ from tokenizers import Tokenizer
 
 from phalanx.data.tokenizer import special_ids
 from phalanx.errors import PhalanxError
+from phalanx.models.llama import ModelArgs
+from phalanx.run.hf_format import read_hf_args
 from phalanx.serve.engine import EngineObserver, SlotScheduler, _Request
 from phalanx.serve.structured_output import FormatError, TokenVocabulary
 from phalanx.serve.text_stream import IncrementalText, StopMatcher
@@ -111,10 +113,10 @@ class VllmEngine(SlotScheduler):
         self.tokenizer = tokenizer
         self.bos_id, self.eos_id = special_ids(tokenizer)
         self.slots, self.max_queue = slots, max_queue
-        config = _hf_config(Path(export_dir))
-        self.vocab_size = config["vocab_size"]
-        self.context = min(context or config["max_position_embeddings"], config["max_position_embeddings"])
-        self.kv_cache_bytes = _kv_cache_bytes(config, dtype, slots, self.context)
+        args = read_hf_args(Path(export_dir))
+        self.vocab_size = args.vocab_size
+        self.context = min(context or args.max_seq_len, args.max_seq_len)
+        self.kv_cache_bytes = _kv_cache_bytes(args, dtype, slots, self.context)
         self._sampling_params = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
         # vLLM seeds its generator (and, running in this process, torch's global one) with `seed`, 0 unless
@@ -243,22 +245,9 @@ class VllmEngine(SlotScheduler):
         return entry
 
 
-def _hf_config(export_dir: Path) -> dict:
-    import json
-
-    try:
-        config = json.loads((export_dir / "config.json").read_text())
-        return {key: config[key] for key in ("vocab_size", "max_position_embeddings", "num_hidden_layers",
-                                             "num_attention_heads", "hidden_size")} | {
-            "num_key_value_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
-            "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]}
-    except (OSError, ValueError, KeyError) as e:
-        raise PhalanxError(f"{export_dir}/config.json is not a usable Llama config: {e}") from None
-
-
-def _kv_cache_bytes(config: dict, dtype: torch.dtype, slots: int, context: int) -> int:
+def _kv_cache_bytes(args: ModelArgs, dtype: torch.dtype, slots: int, context: int) -> int:
     """Keys and values for `slots` sequences of `context` tokens, in whole 128-token blocks (the largest
     block size vLLM picks; a smaller one divides it)."""
     blocks = -(-context // 128)
-    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"]
+    per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim
     return slots * blocks * 128 * per_token * torch.empty((), dtype=dtype).element_size()
