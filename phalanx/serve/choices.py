@@ -19,16 +19,8 @@ from fastapi import Request
 from phalanx.serve.engine import Engine, RequestStream
 from phalanx.serve.http_common import ApiError, collect, submit
 from phalanx.serve.options import MAX_SEED, SamplingOptions
-from phalanx.serve.structured_output import FormatError, TokenConstraint, schema_grammar
-
-
-def grammar_for(schema: dict[str, Any] | None, param: str) -> str | None:
-    if schema is None:
-        return None
-    try:
-        return schema_grammar(schema)
-    except FormatError as e:
-        raise ApiError(400, str(e), param=param) from None
+from phalanx.serve.schema_compiler import ClientGone, FormatError
+from phalanx.serve.structured_output import TokenConstraint
 
 
 def sample_options(options: SamplingOptions, index: int) -> SamplingOptions:
@@ -45,12 +37,19 @@ def _constraints(engine: Engine, grammar: str, n: int, param: str) -> list[Token
         raise ApiError(400, str(e), param=param) from None
 
 
-async def build_constraints(engine: Engine, grammar: str | None, n: int = 1,
+async def build_constraints(engine: Engine, request: Request, schema: dict[str, Any] | None, n: int = 1,
                             param: str = "format") -> list[TokenConstraint | None]:
-    """One grammar state per sample, built in a worker thread: a large schema (or the first one, which
-    also reads the vocabulary) must not hold up the event loop's other requests."""
-    if grammar is None:
+    """One grammar state per sample. The schema compiles in the vocabulary's worker process (it may
+    crash, or take long: see schema_compiler.py); the matchers are built in a worker thread, since the
+    first one also reads the vocabulary and must not hold up the event loop's other requests."""
+    if schema is None:
         return [None] * n
+    try:
+        grammar = await engine.vocabulary.compiler.grammar(schema, request.is_disconnected)
+    except FormatError as e:
+        raise ApiError(400, str(e), param=param) from None
+    except ClientGone:
+        raise ApiError(499, "the client closed the request") from None
     return list(await asyncio.to_thread(_constraints, engine, grammar, n, param))
 
 

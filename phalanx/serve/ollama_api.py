@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import phalanx
-from phalanx.serve.choices import build_constraints, grammar_for, submit_samples
+from phalanx.serve.choices import build_constraints, submit_samples
 from phalanx.serve.engine import Engine, Finish, Piece, RequestStream
 from phalanx.serve.http_common import ApiError, collect, parse_body, read_json, streamed_error
 from phalanx.serve.keep_alive import ModelResidency, unloads_now
@@ -60,11 +60,11 @@ def ollama_router(served: ServedModel, engine: Engine, residency: ModelResidency
                       tools: list[Tool] | None = None):
         options, num_ctx = body.sampling(template_stops)
         try:
-            grammar = grammar_for(ollama_format_schema(body.format), "format")
+            schema = ollama_format_schema(body.format)
         except FormatError as e:
             raise ApiError(400, str(e)) from None
         top_logprobs = body.top_logprobs_asked
-        constraints = await build_constraints(engine, grammar)
+        constraints = await build_constraints(engine, request, schema)
         load_seconds = await residency.ready(body.keep_alive)  # no await from here to the submit
         stream, = submit_samples(engine, request, prompt_ids, options, constraints, top_logprobs=top_logprobs,
                                  context_limit=num_ctx)

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import phalanx
-from phalanx.serve.choices import build_constraints, collect_samples, grammar_for, merged, submit_samples
+from phalanx.serve.choices import build_constraints, collect_samples, merged, submit_samples
 from phalanx.serve.engine import Engine, Finish, RequestStream
 from phalanx.serve.http_common import ApiError, parse_body, read_json, streamed_error
 from phalanx.serve.keep_alive import ModelResidency
@@ -60,8 +60,7 @@ def openai_router(served: ServedModel, engine: Engine, residency: ModelResidency
                       max_tokens: int | None, template_stops: list[str], kind: str, reply: Reply,
                       schema: dict[str, Any] | None = None):
         options, top_logprobs = body.sampling(max_tokens, template_stops), body.top_logprobs_asked
-        constraints = await build_constraints(engine, grammar_for(schema, "response_format"), body.n or 1,
-                                              "response_format")
+        constraints = await build_constraints(engine, request, schema, body.n or 1, "response_format")
         await residency.ready()  # loads the weights if keep_alive took them out; no await from here to the submit
         streams = submit_samples(engine, request, prompt_ids, options, constraints, top_logprobs=top_logprobs)
         for stream in streams:

@@ -12,19 +12,17 @@ is end-of-text; the engine then ends the request with "stop" without spending a 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
 from tokenizers import Tokenizer
 
+from phalanx.serve.schema_compiler import FormatError, SchemaCompiler, first_line, compile_in_this_process
+
 # Ollama's `format: "json"` and OpenAI's `json_object`: any JSON object (as llama.cpp's json grammar).
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
-COMPILE_OPTIONS = {"whitespace_flexible": False}
-
-
-class FormatError(ValueError):
-    """The requested format is not a JSON schema llguidance can hold the output to (HTTP 400)."""
 
 
 class ConstraintError(ValueError):
@@ -32,29 +30,22 @@ class ConstraintError(ValueError):
 
 
 def schema_grammar(schema: Any) -> str:
-    """llguidance's grammar for a JSON schema, refused with FormatError when it cannot be compiled."""
+    """llguidance's grammar for a JSON schema you trust, compiled in this process (FormatError when it
+    cannot be). A request's schema goes through the vocabulary's SchemaCompiler instead: some schemas
+    crash the process that compiles them."""
     if not isinstance(schema, dict):
         raise FormatError(f"a JSON schema must be an object, not {type(schema).__name__}")
-    try:
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=COMPILE_OPTIONS)
-    except (ValueError, TypeError) as e:
-        raise FormatError(f"the JSON schema could not be read: {e}") from None
-    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if failed:
-        raise FormatError(f"the JSON schema is not supported: {_first_line(messages[0])}")
-    return grammar
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "unknown error"
+    return compile_in_this_process(json.dumps(schema))
 
 
 class TokenVocabulary:
-    """The tokenizer as llguidance sees it (built once per engine, on first use) and each token's bytes."""
+    """The tokenizer as llguidance sees it (built once per engine, on first use), each token's bytes, and
+    the compiler of requests' schemas into grammars over it."""
 
     def __init__(self, tokenizer: Tokenizer, eos_id: int, model_vocab: int):
         self._tokenizer, self.eos_id, self.model_vocab = tokenizer, eos_id, model_vocab
         self._ll: LLTokenizer | None = None
+        self.compiler = SchemaCompiler(tokenizer.to_str(), eos_id)
 
     @property
     def ll(self) -> LLTokenizer:
@@ -71,7 +62,7 @@ class TokenVocabulary:
         """A fresh matcher for one request (each sample of n > 1 needs its own)."""
         matcher = LLMatcher(self.ll, grammar, log_level=0)
         if matcher.is_error():
-            raise FormatError(f"the JSON schema is not supported: {_first_line(matcher.get_error())}")
+            raise FormatError(f"the JSON schema is not supported: {first_line(matcher.get_error())}")
         return TokenConstraint(matcher, self.eos_id, self.model_vocab, self.ll.vocab_size)
 
 
@@ -101,7 +92,7 @@ class TokenConstraint:
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise ConstraintError(f"token {token} does not fit the requested format: "
-                                  f"{_first_line(self.matcher.get_error())}")
+                                  f"{first_line(self.matcher.get_error())}")
         self._allowed = None
 
     @property
