@@ -92,14 +92,13 @@ def register(app: typer.Typer) -> None:
         phalanx data prepare my.yaml data.vocab_size=8192
         """
         from phalanx.config.loader import load_config
-        from phalanx.job.fresh_run_dir import removed_unless_kept
-        from phalanx.run.lock import run_lock
+        from phalanx.job.fresh_run_dir import owned_run_dir
         from phalanx.run.prepare import prepare_run
 
         path, overrides = split_config_args(args)
         config = load_config(path, overrides)
-        with removed_unless_kept(config), run_lock(config.run_dir):  # never under a live run: it rewrites
-            data = prepare_run(config, progress=not json_out)                # the run's config
+        with owned_run_dir(config):  # never under a live run: it rewrites the run's config
+            data = prepare_run(config, progress=not json_out)
         report = {"dir": str(data.dir), "tokenizer": str(data.tokenizer_path), "vocab_size": data.vocab_size,
                   "train_tokens": data.train_tokens, "val_tokens": data.val_tokens,
                   "train_shards": len(data.train_shards), "val_shards": len(data.val_shards)}

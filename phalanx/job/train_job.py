@@ -5,7 +5,6 @@ Slurm, Kubernetes) runs the same function on every node.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import time
@@ -18,7 +17,7 @@ from phalanx.config.schema import Config
 from phalanx.console import err, say
 from phalanx.data.loader import check_batch_sizes
 from phalanx.errors import FinalSaveFailedError, PhalanxError, StoppedBySignal
-from phalanx.job.fresh_run_dir import removed_unless_kept
+from phalanx.job.fresh_run_dir import owned_run_dir
 from phalanx.launch.local import LaunchSpec, launch
 from phalanx.models.flops import count_params
 from phalanx.models.from_config import model_args
@@ -29,7 +28,6 @@ from phalanx.preflight.gate import node_preflight_before_restart, preflight_befo
 from phalanx.preflight.thresholds import config_overrides
 from phalanx.run.checkpoints import checkpoint_step, latest_checkpoint, read_trainer_state
 from phalanx.run.layout import RunDir
-from phalanx.run.lock import run_lock
 from phalanx.run.prepare import prepare_run, start_timeline
 from phalanx.run.retention import apply_retention
 from phalanx.run.records import read_metrics
@@ -62,36 +60,35 @@ def train_job(config: Config, spec: LaunchSpec, progress: bool = True) -> dict[s
     owner = spec.node_rank == 0  # node 0 owns the run directory: the lock, and a new line of checkpoints
     # A launch refused before anything ran (bad data, a model the checkpoint does not fit, Ctrl-C while
     # preparing) leaves no run directory behind that it made; from the preflight on, the run has a record.
-    with removed_unless_kept(config, enabled=owner) as keep:
-        with run_lock(run.path) if owner else contextlib.nullcontext():
-            if owner:
-                start_timeline(config)
-                apply_retention(run.path)  # empty stack files, old corrupt-step_* directories
-            refuse_if_quarantined(config)  # before the data work: a quarantined node does nothing
-            say(f"preparing data for {run.path}")
-            data = prepare_run(config, progress=progress and err.is_terminal)  # a spinner: terminals only
-            say(f"data: {data.train_tokens:,} training and {data.val_tokens:,} validation tokens, "
-                f"vocabulary {data.vocab_size:,}")
-            done = _already_done(config, run, check_run(config, data))
-            if done is not None:
-                return done if owner else None
-            keep()
-            if config.safe.preflight != "off":
-                preflight_before_training(config, spec, progress=progress)
-            before_restart = node_preflight_before_restart(config, spec.nproc) if config.safe.preflight != "off" \
-                else None
-            args = model_args(config.model, data.vocab_size, config.train.seq_len)
-            model = f"{config.model.preset} ({count_params(args) / 1e6:,.1f}M)"
-            if owner and (low := low_space_warning(run.checkpoints, count_params(args))):
-                say(f"warning: {low}")
-            world = spec.nproc * spec.node_range()[1]
-            say(_starting_line(config, spec, model))
-            # The store (and the dashboard) show what the run trains: the preset's shape, the micro batch.
-            shown = resolved(config, data.vocab_size, resolve_layout(config.parallel, world).dp)
-            with observe_run(shown, spec.node_rank, world, model, started):
-                if not _launch(spec, config, before_restart, run):
-                    return None  # global rank 0 ran elsewhere: that node reports
-                _refuse_an_unsaved_end(run)  # inside observe_run: the store records the failure
+    with owned_run_dir(config, owner) as keep:
+        if owner:
+            start_timeline(config)
+            apply_retention(run.path)  # empty stack files, old corrupt-step_* directories
+        refuse_if_quarantined(config)  # before the data work: a quarantined node does nothing
+        say(f"preparing data for {run.path}")
+        data = prepare_run(config, progress=progress and err.is_terminal)  # a spinner: terminals only
+        say(f"data: {data.train_tokens:,} training and {data.val_tokens:,} validation tokens, "
+            f"vocabulary {data.vocab_size:,}")
+        done = _already_done(config, run, check_run(config, data))
+        if done is not None:
+            return done if owner else None
+        keep()
+        if config.safe.preflight != "off":
+            preflight_before_training(config, spec, progress=progress)
+        before_restart = node_preflight_before_restart(config, spec.nproc) if config.safe.preflight != "off" \
+            else None
+        args = model_args(config.model, data.vocab_size, config.train.seq_len)
+        model = f"{config.model.preset} ({count_params(args) / 1e6:,.1f}M)"
+        if owner and (low := low_space_warning(run.checkpoints, count_params(args))):
+            say(f"warning: {low}")
+        world = spec.nproc * spec.node_range()[1]
+        say(_starting_line(config, spec, model))
+        # The store (and the dashboard) show what the run trains: the preset's shape, the micro batch.
+        shown = resolved(config, data.vocab_size, resolve_layout(config.parallel, world).dp)
+        with observe_run(shown, spec.node_rank, world, model, started):
+            if not _launch(spec, config, before_restart, run):
+                return None  # global rank 0 ran elsewhere: that node reports
+            _refuse_an_unsaved_end(run)  # inside observe_run: the store records the failure
     summary = json.loads(run.summary.read_text())
     summary.update(run_report(run.path, read_metrics(run.path), started, time.time()))
     run.summary.write_text(json.dumps(summary, indent=1))

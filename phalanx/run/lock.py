@@ -29,19 +29,26 @@ ORPHAN_WAIT_SECONDS = 20.0
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: Path, orphan_wait: float = ORPHAN_WAIT_SECONDS) -> Iterator[None]:
+def run_lock(run_dir: Path, orphan_wait: float = ORPHAN_WAIT_SECONDS) -> Iterator[bool]:
     """Held by `phalanx train` for the whole launch (and by its ranks, shared), and by every other
     command that writes into a run directory (`data prepare`, `runs import`): a second writer would
-    rewrite the config the ranks re-read on restart, or move the live checkpoints aside."""
+    rewrite the config the ranks re-read on restart, or move the live checkpoints aside. Yields whether
+    this call created the directory: the one fact a refused command may act on (fresh_run_dir.py), as
+    mkdir answers it atomically where an earlier look could be stale."""
     run = RunDir(run_dir)
     try:
-        run.path.mkdir(parents=True, exist_ok=True)
+        run.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            run.path.mkdir()
+            made = True
+        except FileExistsError:
+            made = False
         handle = open(run.lock, "a+")
     except OSError as exc:
         raise PhalanxError(f"cannot create run directory {run.path}: {exc.strerror}") from None
     with handle:
         _take(handle, run.path, orphan_wait)
-        yield
+        yield made
 
 
 def _take(handle: IO, path: Path, orphan_wait: float) -> None:
