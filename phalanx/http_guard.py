@@ -7,8 +7,11 @@ the visitor's browser: one ASGI middleware in front of both.
 - Origin: a browser names the page behind every cross-origin request (and every POST). Only the
   server's own origin (the same host and port as the Host header) and the configured names pass; no
   CORS header is ever granted, so a foreign page cannot read even what it may send.
-- Content-Type: JSON endpoints take `application/json` or no type, so a page cannot post JSON as a
-  `text/plain` or form body (the kinds a browser sends without asking first).
+- Content-Type: a request that a browser could have sent (it carries an Origin or a cookie) must send
+  JSON as `application/json` or with no type, so a page cannot post JSON as a `text/plain` or form body
+  (the kinds a browser sends without asking first). Others take any type: `curl -d '{...}'` sends
+  `application/x-www-form-urlencoded`, and that is how Ollama's own documentation calls every endpoint.
+  Browsers since 2019 send Origin on every cross-site POST, and a foreign Origin is refused above.
 - Body time: a request whose body has not fully arrived within `body_timeout` seconds (a Content-Length
   larger than what is sent) is answered 408 and its connection closed, rather than held open.
 """
@@ -124,7 +127,8 @@ class HttpGuard:
             return 403, (f"cross-origin requests (from {origin.decode('latin-1')!r}) are not allowed: this server "
                          "answers only its own pages and clients that are not browsers")
         kind = headers.get(b"content-type")
-        if kind is not None and scope["method"] in BODY_METHODS and self.json_paths(scope["path"]):
+        from_a_browser = origin is not None or b"cookie" in headers
+        if kind is not None and from_a_browser and scope["method"] in BODY_METHODS and self.json_paths(scope["path"]):
             media = kind.decode("latin-1").split(";", 1)[0].strip().lower()
             if media != JSON_TYPE:
                 return 415, (f"the body must be JSON sent as 'Content-Type: {JSON_TYPE}', not {media or 'empty'!r} "
@@ -197,3 +201,25 @@ def _closing(send: Send) -> Send:
         await send(message)
 
     return wrapped
+
+
+class BodyTooLarge(Exception):
+    """A request body over its route's limit (HTTP 413); `size` is what was declared or read so far."""
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"the request body is larger than the limit of {limit} bytes")
+        self.size, self.limit = size, limit
+
+
+async def read_body_within(request, limit: int) -> bytes:
+    """A request's body, refused before any of it is read where its Content-Length is over `limit`, and
+    as soon as it passes `limit` otherwise (chunked uploads): a 400 MiB body costs nothing to refuse."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(int(declared), limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(len(body), limit)
+    return bytes(body)

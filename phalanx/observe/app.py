@@ -35,7 +35,7 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Redire
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phalanx.errors import PhalanxError, StoreError
-from phalanx.http_guard import BODY_TIMEOUT_SECONDS, HttpGuard
+from phalanx.http_guard import BODY_TIMEOUT_SECONDS, BodyTooLarge, HttpGuard, read_body_within
 from phalanx.listen import bind
 from phalanx.observe import auth
 from phalanx.observe.figures import chart_options
@@ -167,12 +167,11 @@ def create_app(store: RunStore, token: str | None = None, allowed_hosts: tuple[s
             return run
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             return error(request, 415, "send the tags and note as JSON (Content-Type: application/json)")
-        body = await request.body()
-        if len(body) > MAX_ANNOTATION_BYTES:
-            return error(request, 413, f"the request is {len(body)} bytes; at most {MAX_ANNOTATION_BYTES}")
         try:
-            fields = json.loads(body)
-        except ValueError:
+            fields = json.loads(await read_body_within(request, MAX_ANNOTATION_BYTES))
+        except BodyTooLarge as exc:
+            return error(request, 413, f"the request is {exc.size} bytes or more; at most {MAX_ANNOTATION_BYTES}")
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             return error(request, 400, "the request body is not JSON")
         if not isinstance(fields, dict) or not fields or set(fields) - {"tags", "note"}:
             return error(request, 400, 'send a JSON object with "tags" (a list of strings) and/or "note" (a string)')
@@ -220,7 +219,10 @@ def create_app(store: RunStore, token: str | None = None, allowed_hosts: tuple[s
         wait = sign_in.limiter.retry_after(client)
         if wait is not None:
             return auth.too_many_attempts(request.url.path, wait)
-        offered, target = await auth.read_login_form(request)
+        try:
+            offered, target = await auth.read_login_form(request)
+        except BodyTooLarge as exc:
+            return error(request, 413, str(exc))
         if not sign_in.token_matches(offered):
             sign_in.limiter.failed(client)
             return page("login.html", status=401, title="log in", next=auth.safe_next(target), failed=True)

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, RedirectRespons
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from phalanx.errors import PhalanxError
+from phalanx.http_guard import read_body_within
 from phalanx.http_auth import MIN_SECRET_CHARS, FailedAuthLimiter, bearer_token, check_secret, secret_matches
 from phalanx.listen import is_loopback
 
@@ -33,6 +34,7 @@ COOKIE = "phalanx_session"
 MIN_TOKEN_CHARS = MIN_SECRET_CHARS
 SESSION_SECONDS = 7 * 24 * 3600
 MAX_SESSIONS = 1024  # the oldest session goes when a new one would pass this
+MAX_LOGIN_BYTES = 4096  # a token and a next page
 # The login form needs its stylesheet before the browser holds the cookie; it holds nothing private.
 OPEN_PATHS = ("/health", "/login", "/logout", "/static/dashboard.css")
 # Answered 401 rather than sent to the login form: machines read these.
@@ -169,7 +171,8 @@ def too_many_attempts(path: str, wait: int) -> Response:
 
 
 async def read_login_form(request: Request) -> tuple[str, str]:
-    """The token and next page from the login form's urlencoded body (no multipart needed)."""
-    body = (await request.body())[:4096].decode(errors="replace")
+    """The token and next page from the login form's urlencoded body (no multipart needed). A body over
+    MAX_LOGIN_BYTES is BodyTooLarge, refused unread: anyone may post here, before any session."""
+    body = (await read_body_within(request, MAX_LOGIN_BYTES)).decode(errors="replace")
     fields = parse_qs(body, keep_blank_values=True)
     return fields.get("token", [""])[0], fields.get("next", ["/"])[0]

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import ClientDisconnect
 
+from phalanx.http_guard import BodyTooLarge, read_body_within
 from phalanx.serve.engine import Engine, PromptTooLong, QueueFull, RequestStream
 from phalanx.serve.options import InvalidOptions, SamplingOptions
 
@@ -68,17 +69,10 @@ def _refuse_constant(name: str) -> None:
 async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
     """The request's JSON object, refusing bodies over `limit` bytes before reading them where the
     Content-Length says so, and as soon as they pass it otherwise (chunked uploads)."""
-    too_large = ApiError(413, f"the request body is larger than the limit of {limit} bytes",
-                         code="request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    body = bytearray()
     try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        body = await read_body_within(request, limit)
+    except BodyTooLarge as e:
+        raise ApiError(413, str(e), code="request_too_large") from None
     except ClientDisconnect:  # gone, or too slow (phalanx.http_guard answers that one 408 itself)
         raise ApiError(408, "the request body did not arrive in full") from None
     if not body:

@@ -153,6 +153,34 @@ def test_api_bodies_must_be_json(url, store):
         assert response.status_code == 415 and "application/json" in response.json()["error"], kind
 
 
+def chunked(total: int, piece: int = 1 << 16):
+    """A body of `total` bytes sent chunked: no Content-Length to refuse it by."""
+    for _ in range(total // piece):
+        yield b"a" * piece
+
+
+def test_large_bodies_are_refused_before_they_are_read(store):
+    """POST /login needs no session: a body over its limit is 413 at once, never read in full (a 400 MiB
+    one was, and left the process 400 MB larger). The same for PATCH over its 16 KiB."""
+    run_id = store.find_run("leaky")["id"]
+    with running(create_app(store, token=TOKEN)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # declares 400 MiB, sends none
+            sock.sendall(f"POST /login HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                         f"application/x-www-form-urlencoded\r\nContent-Length: {400 << 20}\r\n\r\n".encode())
+            assert sock.recv(65536).startswith(b"HTTP/1.1 413 ")
+        login = httpx.post(f"{url}/login", content=chunked(256 << 10),
+                           headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert login.status_code == 413
+        edit = httpx.patch(f"{url}/api/runs/{run_id}", content=chunked(256 << 10),
+                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+        assert edit.status_code == 413 and "at most 16384" in edit.json()["error"]
+        deep = httpx.patch(f"{url}/api/runs/{run_id}", content=b"[" * 5000 + b"]" * 5000,
+                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+        assert deep.status_code == 400 and "not JSON" in deep.json()["error"]
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
 def test_a_body_shorter_than_its_content_length_is_408_and_the_connection_closed(store):
     with running(create_app(store, token=TOKEN, body_timeout=1.0)) as url:
         port = int(url.rsplit(":", 1)[1])

@@ -281,12 +281,30 @@ def test_foreign_origins_are_refused_without_cors_grants(server, http):
 
 @pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x",
                                   "application/jsonx"])
-def test_json_endpoints_refuse_the_types_a_page_may_send_freely(http, kind):
-    response = http.post("/api/chat", content=json.dumps(CHAT), headers={"Content-Type": kind})
+@pytest.mark.parametrize("browser", ["own origin", "cookie"])
+def test_json_endpoints_refuse_the_types_a_page_may_send_freely(http, server, kind, browser):
+    """What a browser sends (an Origin, a cookie) must be JSON typed as JSON: a page may post the other
+    types cross-site without asking first."""
+    marks = {"Origin": server.url} if browser == "own origin" else {"Cookie": "session=x"}
+    response = http.post("/api/chat", content=json.dumps(CHAT), headers={"Content-Type": kind, **marks})
     assert "Content-Type: application/json" in error_text(response, 415)
     response = http.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "x"}),
-                         headers={"Content-Type": kind})
+                         headers={"Content-Type": kind, **marks})
     assert response.status_code == 415 and response.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_curl_as_ollamas_documentation_calls_it_is_answered(server):
+    """`curl URL/api/generate -d '{...}'`: curl types the body application/x-www-form-urlencoded."""
+    import subprocess
+
+    body = json.dumps({"model": MODEL, "prompt": "Why is the sky blue?", "stream": False,
+                       "options": {"num_predict": 4}})
+    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", f"{server.url}/api/generate", "-d", body,
+                          "-H", f"Authorization: Bearer {server.api_key}"], capture_output=True, text=True,
+                         timeout=60).stdout
+    reply, status = out.rsplit("\n", 1)
+    assert status == "200", reply
+    assert json.loads(reply)["done"] is True
 
 
 def test_json_with_a_charset_or_no_type_is_fine(http):
