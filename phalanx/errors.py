@@ -32,6 +32,8 @@ EXIT_CODES = (
     ExitCode("8", "the run directory's disk is full: the final checkpoint, or the run's own records, could not be "
                   "written (the message says how much a checkpoint needs); free space and rerun: the same command "
                   "resumes from the newest saved checkpoint", False),
+    ExitCode("9", "the run directory was deleted or replaced while the job ran: it stopped rather than write "
+                  "checkpoints and records where nobody reads them, and beside a new launch of the same run", False),
     ExitCode("143", "preempted (SIGTERM): checkpoint saved. Every rank finished its step and the job saved a "
                     "checkpoint there within `safe.preemption_grace_s`; the same command resumes from that step", True),
     ExitCode("128 + N", "stopped by signal N (130: Ctrl-C); the same command resumes from the newest checkpoint",
@@ -101,6 +103,13 @@ class DiskFullError(PhalanxError):
     help, so the job stops (exit 8) rather than crash-loop."""
 
     exit_code = 8
+
+
+class RunDirLostError(PhalanxError):
+    """The run directory, or its lock, is no longer the one the job took at its start (deleted, moved,
+    replaced): another launch may hold the name now, so the job stops (safe/agent.py)."""
+
+    exit_code = 9
 
 
 class AgentGoneError(PhalanxError):

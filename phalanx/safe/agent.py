@@ -28,7 +28,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException, _term
 
 from phalanx.config.schema import SafeSection
 from phalanx.console import say
-from phalanx.errors import CrashLoopError, DiskFullError, PhalanxError, PreemptedError, StoppedBySignal
+from phalanx.errors import (CrashLoopError, DiskFullError, PhalanxError, PreemptedError, RunDirLostError,
+                            StoppedBySignal)
 from phalanx.run.layout import RunDir
 from phalanx.run.records import EventSink
 from phalanx.safe.heartbeat import HeartbeatBoard
@@ -58,6 +59,7 @@ class PhalanxAgent(LocalElasticAgent):
         self._stopped_by: int | None = None  # the signal that stopped the agent (SIGTERM: a preemption)
         self._sigterm_pending = False
         self._stopped_ranks: set[int] = set()  # local ranks the agent killed after a peer failed
+        self._home = _identity(RunDir(run_dir))  # what "the run directory" is; see _check_home
 
     # -- stopping -----------------------------------------------------------------------------------
     def _invoke_run(self, role):
@@ -171,6 +173,7 @@ class PhalanxAgent(LocalElasticAgent):
         if self._sigterm_pending:
             self._sigterm_pending = False
             raise SignalException(f"Process {os.getpid()} got signal: SIGTERM", sigval=signal.SIGTERM)
+        self._check_home()
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED:
             self._on_crash(self._failed_ranks(result, worker_group))
@@ -183,6 +186,15 @@ class PhalanxAgent(LocalElasticAgent):
             self._failed = True
             self._check_crash_loop()
         return result
+
+    def _check_home(self) -> None:
+        """Stop when the run directory or its lock is no longer the one this job started in. The ranks
+        would write on into deleted files (checkpoints nobody can resume from), and the lock, gone with
+        the directory, no longer keeps a second launch of the same run out."""
+        if self._home is not None and _identity(RunDir(self.run_dir)) != self._home:
+            raise RunDirLostError(f"the run directory {self.run_dir} (or its lock) was deleted or replaced while "
+                                  "the job ran: stopped; checkpoints and records there are gone or another "
+                                  "launch's, so restore it or start the run again")
 
     def _failed_ranks(self, result: RunResult, worker_group: WorkerGroup) -> dict[int, tuple[int, int]]:
         """global rank -> (local rank, exit code) of every rank that exited with an error. torch names only
@@ -269,6 +281,15 @@ class PhalanxAgent(LocalElasticAgent):
                              last_failure=self.last_failure)
             raise CrashLoopError(f"crash loop: {restarts} restarts in a row without checkpoint progress "
                                  f"({where}); last failure: {self.last_failure} (see {RunDir(self.run_dir).events})")
+
+
+def _identity(run: RunDir) -> tuple[tuple[int, int], ...] | None:
+    """The run directory's and its lock file's (device, inode): a directory deleted and made again under
+    the same name, by a relaunch or by hand, is another directory."""
+    try:
+        return tuple((s.st_dev, s.st_ino) for s in (run.path.stat(), run.lock.stat()))
+    except FileNotFoundError:
+        return None
 
 
 def rank_exit_codes(pcontext) -> dict[int, int | None]:
