@@ -5,6 +5,7 @@ import difflib
 
 from phalanx.errors import PhalanxError
 from phalanx.models.llama import ModelArgs
+from phalanx.models.preset_names import PRESET_NAMES
 
 MODEL_PRESETS: dict[str, ModelArgs] = {
     # Small enough to train a few hundred steps on two CPU cores.
@@ -39,6 +40,8 @@ MODEL_PRESETS: dict[str, ModelArgs] = {
         rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192,
     ),
 }
+
+assert tuple(MODEL_PRESETS) == PRESET_NAMES, "preset_names.py lists the presets' names"
 
 
 def get_preset(name: str) -> ModelArgs:

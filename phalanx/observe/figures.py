@@ -380,6 +380,7 @@ def events_figure(events: list[dict[str, Any]], event_steps: list[int] | None = 
     else:
         axis.layout(figure)
     figure["layout"]["yaxis"]["type"] = "category"
+    figure["layout"]["yaxis"]["automargin"] = True  # the longest kind's name sets the left margin
     kinds = len({e["kind"] for e in events})
     figure["layout"]["height"] = max(260, 120 + 28 * kinds)
     figure["layout"]["margin"]["l"] = 140

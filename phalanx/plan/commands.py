@@ -9,8 +9,10 @@ from typing import Optional
 import typer
 
 from phalanx.console import JsonOpt
+from phalanx.models.preset_names import PRESET_NAMES
 
 STRATEGIES = ("ddp", "fsdp", "none")
+
 
 
 def register(app: typer.Typer) -> None:
@@ -18,7 +20,7 @@ def register(app: typer.Typer) -> None:
     def plan(
         source: str = typer.Argument(..., metavar="CONFIG|PRESET",
                                      help="A run config (YAML file or config preset) or a model preset: "
-                                          "tiny, 125m, 1b, 8b, 70b."),
+                                          f"{', '.join(PRESET_NAMES)}."),
         overrides: Optional[list[str]] = typer.Argument(None, metavar="[SECTION.KEY=VALUE]...",
                                                         help="Overrides of a run config, as phalanx train "
                                                              "takes them."),

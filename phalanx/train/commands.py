@@ -8,12 +8,13 @@ from typing import Optional
 import typer
 
 from phalanx.console import JsonOpt, print_table
+from phalanx.models.preset_names import PRESET_NAMES
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def bench(
-        preset: str = typer.Argument("tiny", help="Model preset: tiny, 125m, 1b, 8b, 70b."),
+        preset: str = typer.Argument("tiny", help=f"Model preset: {', '.join(PRESET_NAMES)}."),
         seq_len: int = typer.Option(256, "--seq-len", min=1, metavar="T", help="Tokens per sequence."),
         micro_batch: int = typer.Option(8, "--micro-batch", min=1, metavar="B", help="Sequences per step."),
         steps: int = typer.Option(10, "--steps", min=1, metavar="N", help="Timed steps (the median is reported)."),

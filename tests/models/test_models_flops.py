@@ -51,3 +51,20 @@ def test_mfu_and_achieved():
     assert achieved_tflops(1000, 2e9) == pytest.approx(2.0)
     assert mfu(1000, 2e9, 8 * 2.5) == pytest.approx(0.1)
     assert mfu(1000, 2e9, None) is None
+
+
+def test_every_preset_is_in_the_readme_table_and_the_help(tmp_path):
+    """One list of presets: the README's table (with each preset's parameter count), `bench --help` and
+    `plan --help` name them all, as the config comment and the unknown-preset error do."""
+    import re
+    from pathlib import Path
+
+    from phalanx.models.presets import MODEL_PRESETS
+    from tests.helpers import phalanx
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([0-9a-z]+)`[^|]*\|(?:[^|]*\|){5} ([0-9,]+) \|$", readme, re.M))
+    assert rows == {name: f"{count_params(args):,}" for name, args in MODEL_PRESETS.items()}
+    for command in ("bench", "plan"):
+        help_text = re.sub(r"[│\s]+", " ", phalanx(command, "--help").stdout)  # rich's box, lines joined
+        assert ", ".join(MODEL_PRESETS) in help_text, command
