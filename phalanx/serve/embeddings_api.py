@@ -9,6 +9,7 @@ presented as a choice.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 from typing import Any
@@ -63,7 +64,8 @@ def embeddings_router(served: ServedModel, engine: Engine, residency: ModelResid
         body = parse_body(OllamaEmbedRequest, await read_json(request))
         check_ollama_model(body.model)
         check_dimensions(body.dimensions, None)
-        inputs = text_inputs(body.inputs, body.truncate, body.options.num_ctx if body.options else None)
+        inputs = await asyncio.to_thread(text_inputs, body.inputs, body.truncate,  # tokenizing: off the loop
+                                         body.options.num_ctx if body.options else None)
         vectors, load_seconds = await embed(inputs, body.keep_alive)
         return {"model": body.model, "embeddings": vectors, "total_duration": _ns(time.perf_counter() - arrived),
                 "load_duration": _ns(load_seconds), "prompt_eval_count": sum(len(ids) for ids in inputs)}
@@ -75,7 +77,7 @@ def embeddings_router(served: ServedModel, engine: Engine, residency: ModelResid
         if not body.prompt:  # as Ollama answers an empty prompt
             await residency.ready(body.keep_alive)
             return {"embedding": []}
-        vectors, _ = await embed(text_inputs([body.prompt], truncate=True), body.keep_alive)
+        vectors, _ = await embed(await asyncio.to_thread(text_inputs, [body.prompt], True), body.keep_alive)
         return {"embedding": vectors[0]}
 
     @router.post("/v1/embeddings")
@@ -85,7 +87,7 @@ def embeddings_router(served: ServedModel, engine: Engine, residency: ModelResid
             raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{served.name}'",
                            code="model_not_found", param="model")
         check_dimensions(body.dimensions, "dimensions")
-        inputs = openai_inputs(body.input)
+        inputs = await asyncio.to_thread(openai_inputs, body.input)
         vectors, _ = await embed(inputs, None)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
                 for i, v in enumerate(vectors)]

@@ -9,6 +9,7 @@ calls comes back as message.tool_calls (tool_calls.py), `logprobs` gives each ch
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -129,11 +130,11 @@ def ollama_router(served: ServedModel, engine: Engine, residency: ModelResidency
             return JSONResponse({"model": body.model, "created_at": _now(), "response": "", "done": True,
                                  "done_reason": "load"})
         if body.raw:
-            prompt_ids, stops = served.text_prompt_ids(body.prompt), []
+            prompt_ids, stops = await asyncio.to_thread(served.text_prompt_ids, body.prompt), []
         else:
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
                        [{"role": "user", "content": body.prompt}]
-            prompt_ids, stops = _render(messages), served.chat_stops
+            prompt_ids, stops = await _render(messages), served.chat_stops
         return await respond(request, body, prompt_ids, stops, lambda text: {"response": text}, arrived)
 
     @router.post("/api/chat")
@@ -154,7 +155,7 @@ def ollama_router(served: ServedModel, engine: Engine, residency: ModelResidency
                          "tool_calls": [ollama_call(c) for c in m.tool_calls or []]} for m in body.messages]
         except ToolError as e:
             raise ApiError(400, str(e)) from None
-        prompt_ids = _render(template_messages(messages, tools))
+        prompt_ids = await _render(template_messages(messages, tools))
         return await respond(request, body, prompt_ids, served.chat_stops,
                              lambda text: {"message": {"role": "assistant", "content": text}}, arrived, tools)
 
@@ -162,9 +163,11 @@ def ollama_router(served: ServedModel, engine: Engine, residency: ModelResidency
         await residency.unload_now()
         return JSONResponse({"model": model, "created_at": _now(), **empty, "done": True, "done_reason": "unload"})
 
-    def _render(messages: list[dict[str, Any]]) -> list[int]:
+    async def _render(messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt's ids, made in a worker thread: a long prompt's tokenization (or a template's long
+        loops) must not hold up /health and the running streams (prompt_tokens.py)."""
         try:
-            return served.chat_prompt_ids(messages)
+            return await asyncio.to_thread(served.chat_prompt_ids, messages)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 

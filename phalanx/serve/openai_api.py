@@ -10,6 +10,7 @@ log-probabilities.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -123,8 +124,8 @@ def openai_router(served: ServedModel, engine: Engine, residency: ModelResidency
                                     "output; send one of them", param="tool_choice")
             schema = call_schema(forced)
         try:
-            prompt_ids = served.chat_prompt_ids(template_messages(body.messages_for_template(),
-                                                                  tools if use_tools else []))
+            prompt_ids = await asyncio.to_thread(  # off the event loop: see ollama_api._render
+                served.chat_prompt_ids, template_messages(body.messages_for_template(), tools if use_tools else []))
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         return await respond(request, body, prompt_ids, body.new_tokens, served.chat_stops, "chat.completion",
@@ -135,7 +136,7 @@ def openai_router(served: ServedModel, engine: Engine, residency: ModelResidency
         body = parse_body(CompletionRequest, await read_json(request))
         check_model(body.model)
         text = body.prompt_text
-        prompt_ids = served.text_prompt_ids(text)
+        prompt_ids = await asyncio.to_thread(served.text_prompt_ids, text)
         return await respond(request, body, prompt_ids, body.max_tokens, [], "text_completion",
                              CompletionReply(text if body.echo else "", body.top_logprobs_asked is not None))
 
