@@ -20,6 +20,7 @@ from phalanx.serve.chat_backends import (
     ConversationError,
     InvalidParameters,
     LocalChat,
+    Reply,
     RemoteChat,
     check_parameters,
 )
@@ -64,7 +65,7 @@ def take_turn(backend: ChatBackend, conversation: Conversation, text: str, out: 
     writer, reply, pieces = ReplyWriter(out), None, []
     try:
         with spinner(out):  # until the first token: the prompt's prefill, or the server's queue
-            reply = backend.reply(conversation.messages(text), conversation.params)
+            reply = _reply_that_fits(backend, conversation, text, err)
             stream = iter(reply)
             first = next(stream, None)
         for piece in itertools.chain([first] if first is not None else [], stream):
@@ -91,6 +92,28 @@ def take_turn(backend: ChatBackend, conversation: Conversation, text: str, out: 
         out.flush()
         return
     writer.end()
+
+
+def _reply_that_fits(backend: ChatBackend, conversation: Conversation, text: str, err: TextIO) -> Reply:
+    """The reply to `text`. When the conversation no longer fits the model's context, its oldest exchanges
+    are left out until it does (the system message stays), as Ollama does; said the first time only."""
+    dropped = 0
+    while True:
+        try:
+            reply = backend.reply(conversation.messages(text), conversation.params)
+            break
+        except ConversationError as e:
+            if not e.too_long or not conversation.exchanges:
+                raise  # the message alone is too long: nothing to leave out
+            conversation.exchanges.pop(0)
+            dropped += 1
+    if dropped and not conversation.told_of_dropping:
+        conversation.told_of_dropping = True
+        err.write(f"note: the conversation outgrew the model's context: left out its oldest {dropped} "
+                  f"exchange{'' if dropped == 1 else 's'}, as from now on whenever it must (the system message "
+                  "stays; /clear starts afresh)\n")
+        err.flush()
+    return reply
 
 
 def chat_loop(backend: ChatBackend, conversation: Conversation, lines: LineSource, out: TextIO = sys.stdout,

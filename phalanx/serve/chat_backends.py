@@ -21,7 +21,12 @@ InfoSections = list[tuple[str, list[tuple[str, str]]]]
 
 
 class ConversationError(Exception):
-    """This turn failed (too long, the server refused it); the conversation can go on."""
+    """This turn failed (too long, the server refused it); the conversation can go on. `too_long`: the
+    prompt leaves no room for a reply in the context (the chat then leaves out its oldest exchanges)."""
+
+    def __init__(self, message: str, too_long: bool = False):
+        super().__init__(message)
+        self.too_long = too_long
 
 
 class InvalidParameters(ValueError):
@@ -126,8 +131,9 @@ class LocalChat:
             prompt_ids = self.served.chat_prompt_ids(messages)
             return LocalReply(self.engine.submit(prompt_ids, options, context_limit=num_ctx))
         except (InvalidParameters, ValueError, QueueFull) as e:  # PromptTooLong is a ValueError too
-            hint = "; /clear starts a new conversation" if isinstance(e, PromptTooLong) else ""
-            raise ConversationError(f"{e}{hint}") from None
+            too_long = isinstance(e, PromptTooLong)
+            hint = "; /clear starts a new conversation" if too_long else ""
+            raise ConversationError(f"{e}{hint}", too_long=too_long) from None
 
     def info(self) -> InfoSections:
         args = self.served.loaded.model.args
@@ -265,7 +271,8 @@ def _raise_for(response: Any, url: str) -> None:
     if response.status_code == 401:
         raise PhalanxError(f"{url} needs an API key: pass --api-key KEY or set PHALANX_API_KEY ({message})")
     if response.status_code in (400, 503):
-        raise ConversationError(message)
+        # phalanx serve's words for a prompt that leaves no room for a reply (Ollama itself truncates)
+        raise ConversationError(message, too_long=str(message).startswith("the prompt is "))
     if response.status_code == 404:
         raise PhalanxError(f"{url}: {message}")
     raise PhalanxError(f"{url} answered {response.status_code}: {message}")

@@ -76,6 +76,7 @@ class Conversation:
     params: dict[str, Any] = field(default_factory=dict)
     exchanges: list[tuple[str, str]] = field(default_factory=list)  # (user, assistant)
     verbose: bool = False
+    told_of_dropping: bool = False  # said that the oldest exchanges are left out once they do not fit
 
     def messages(self, user: str) -> list[dict[str, str]]:
         messages = [{"role": "system", "content": self.system}] if self.system else []

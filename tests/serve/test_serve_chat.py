@@ -100,3 +100,16 @@ def test_ctrl_c_ends_a_piped_chat(served_run):
         proc.kill()
     assert proc.returncode == 130 and len(stderr.strip().splitlines()) == 1 and "interrupted" in stderr, stderr
     assert f">>> {ANSWER}" not in stdout
+
+
+def test_a_conversation_that_outgrows_the_context_leaves_out_its_oldest_exchanges(served_run):
+    """With a 48-token context, each message and its reply fit but two exchanges do not: as Ollama does,
+    the oldest exchanges are left out (said once, on stderr) rather than the new message refused."""
+    line = "Who is there? Nay, answer me."
+    script = "\n".join(["/set parameter num_ctx 48", line, line, line, "/bye"]) + "\n"
+    with InProcessServer(served_run, slots=1, max_queue=4, api_key="chat-key") as live:
+        for target in (str(served_run), live.url):
+            chat = phalanx_chat(target, "--api-key", "chat-key", *OPTIONS, stdin=script)
+            assert chat.returncode == 0, chat.stderr
+            assert chat.stdout.count(f">>> {line}\n") == 3 and "error" not in chat.stderr, chat.stderr
+            assert chat.stderr.count("left out its oldest 1 exchange") == 1, chat.stderr
