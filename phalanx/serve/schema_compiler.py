@@ -94,6 +94,10 @@ class SchemaCompiler:
     def __init__(self, tokenizer_json: str, eos_id: int, time_limit_s: float = TIME_LIMIT_S,
                  memory_limit: int = MEMORY_LIMIT_BYTES):
         self._start_line = json.dumps({"tokenizer": tokenizer_json, "eos_id": eos_id}) + "\n"
+        # A model writes its special tokens' strings only as the markers themselves, never as text, so a
+        # schema asking for such a string as text ({"const": "<|end_of_text|>"}) cannot be met.
+        self._specials = [json.dumps(t["content"])[1:-1] for t in json.loads(tokenizer_json).get("added_tokens", [])
+                          if t.get("special")]
         self.time_limit_s, self._memory_limit = time_limit_s, memory_limit
         self._lock = asyncio.Lock()
         self._process: asyncio.subprocess.Process | None = None
@@ -112,6 +116,9 @@ class SchemaCompiler:
             raise FormatError("the JSON schema is nested too deeply") from None
         if len(text) > MAX_SCHEMA_BYTES:
             raise FormatError(f"the JSON schema is {len(text)} bytes; at most {MAX_SCHEMA_BYTES} are compiled")
+        if (special := next((s for s in self._specials if s in text), None)) is not None:
+            raise FormatError(f"the JSON schema holds the special-token string {special!r}, which the model cannot "
+                              "write as text")
         if (cached := self._cache.get(text)) is not None:
             self._cache.move_to_end(text)
             return cached

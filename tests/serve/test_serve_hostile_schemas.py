@@ -74,6 +74,16 @@ def test_a_schema_that_overflows_the_compilers_stack_is_400_and_the_server_lives
     assert_serves_at_once(http)
 
 
+def test_a_schema_asking_for_a_special_tokens_text_is_400(http):
+    """The model writes "<|end_of_text|>" only as the marker, never as text: such a schema cannot be met
+    (it ended in a 500 when the grammar reached the marker's text)."""
+    for route in ("openai response_format", "ollama format"):
+        path, body = routes({"const": "<|end_of_text|>"})[route]
+        response = http.post(path, json=body)
+        assert response.status_code == 400 and "special-token string" in response.text, response.text
+    assert_serves_at_once(http)
+
+
 # -- the compiler itself: its budgets, with a tokenizer of the shared served run -------------------------
 def heavy_schema(n: int = 3000) -> dict:
     """About 0.5-1 s to compile on these machines: over a 0.05 s budget, well under the default."""
