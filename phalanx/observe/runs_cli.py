@@ -82,12 +82,12 @@ def runs_show(name: str = typer.Argument(..., help="Run name (the newest of that
         table.add_row("goodput (s)", ", ".join(f"{k} {v:.1f}" for k, v in goodput["goodput"].items() if v))
         table.add_row("faults", ", ".join(f"{k} {v}" for k, v in goodput["faults"].items()) or "-")
     out.print(table)
-    notable = [e for e in events if e["kind"] not in ("checkpoint_saved", "attempt_started", "training_started")]
-    if notable:
-        timeline = Table(title="events", box=SIMPLE_HEAD, pad_edge=False)
+    if events:  # every kind, as the dashboard lists them: one view of a run's events
+        timeline = Table(title="events" if len(events) <= 30 else f"events (the last 30 of {len(events)})",
+                         box=SIMPLE_HEAD, pad_edge=False)
         for column in ("time", "kind", "rank", "details"):
             timeline.add_column(column, overflow="fold")
-        for e in notable[-30:]:
+        for e in events[-30:]:
             details = {k: v for k, v in e.items() if k not in ("time", "node", "rank", "kind")}
             timeline.add_row(_when(e["time"], short=True), e["kind"], "-" if e["rank"] is None else str(e["rank"]),
                              _details(details))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -137,6 +138,9 @@ def test_runs_commands_read_the_same_store(observed, tmp_path):
     assert [r["name"] for r in listed] == ["watched"]
     shown = json.loads(phalanx("runs", "show", "watched", "--runs", root, "--json").stdout)
     assert shown["restarts"] == 1 and any(e["kind"] == "restart" for e in shown["events"])
+    table = phalanx("runs", "show", "watched", "--runs", root).stdout  # the terminal lists what --json does
+    assert {e["kind"] for e in shown["events"][-30:]} <= set(re.findall(r"[a-z_]+", table)), table
+    assert "checkpoint_saved" in table
     # A copy of the run with another learning rate, imported into the same store, then compared.
     copy = tmp_path / "watched-lr"
     shutil.copytree(observed["run_dir"], copy, ignore=shutil.ignore_patterns(".lock"))
