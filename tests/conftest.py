@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
+
+# Where the time goes (the slowest tests, seconds per folder) and the --time-limit guard CI sets.
+pytest_plugins = ["timing"]
+
+# A shell without job control starts background commands with SIGINT ignored, and every process the tests
+# start would inherit that (Python leaves an ignored SIGINT ignored): the Ctrl-C tests need it delivered.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # A model and batch small enough for many CPU runs in one test session, still a real Llama.
 TINY = [
