@@ -172,7 +172,13 @@ def test_shell_examples_run_known_programs_and_existing_scripts():
             assert (ROOT / words[1]).is_file(), f"README line {line}: {words[1]} does not exist"
 
 
-@pytest.mark.parametrize("line, args", phalanx_commands(), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+def _examples() -> list:
+    """phalanx_commands(), with the plans that trace a real step (seconds each) in the slow tier."""
+    return [pytest.param(line, args, marks=pytest.mark.slow) if args[:1] == ["plan"] and "--no-trace" not in args
+            else (line, args) for line, args in phalanx_commands()]
+
+
+@pytest.mark.parametrize("line, args", _examples(), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
 def test_phalanx_examples_parse_and_validate(line, args, my_yaml, tmp_path, monkeypatch):
     from phalanx.job.train_job import check_job
     from phalanx.launch.local import LaunchSpec

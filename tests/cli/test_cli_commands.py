@@ -1,3 +1,4 @@
+import pytest
 """The other commands: config show, data prepare, bench."""
 
 import json
@@ -24,6 +25,7 @@ def test_data_prepare_reports_and_reuses_cache(tiny_args):
     assert again == first
 
 
+@pytest.mark.slow
 def test_bench_reports_throughput():
     out = json.loads(phalanx("bench", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2",
                              "--warmup", "1", "--json").stdout)
@@ -45,6 +47,7 @@ def test_config_show_writes_the_presets_shape_out():
     assert (big["dim"], big["n_layers"], big["ffn_dim"], big["vocab_size"]) == (4096, 2, 14336, None)
 
 
+@pytest.mark.slow
 def test_runs_import_takes_json(tiny_args, tmp_path):
     from tests.helpers import train_json
 
@@ -55,6 +58,7 @@ def test_runs_import_takes_json(tiny_args, tmp_path):
     assert [r["id"] for r in listed] == [out["imported"][0]["id"]]
 
 
+@pytest.mark.slow
 def test_the_store_keeps_the_config_as_the_run_used_it(tiny_args, runs_root):
     """What the dashboard and `runs compare` show: the tokenizer's vocabulary and the micro batch of the
     launch's rank count written in, not the nulls that mean "whatever the run finds"."""

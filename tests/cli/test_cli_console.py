@@ -48,6 +48,7 @@ def test_a_run_says_what_it_does_in_plain_lines(tiny_args, tmp_path):
     assert not ESCAPES.search(text) and "Traceback" not in text
 
 
+@pytest.mark.slow
 def test_plain_progress_comes_every_interval_not_every_step(tiny_args, tmp_path):
     _, text = train_to_file(tmp_path, *tiny_args, "train.max_steps=6")  # default interval, 10 s
     progress = [line for line in text.splitlines() if re.match(r"step \d+/6  loss", line)]
@@ -55,6 +56,7 @@ def test_plain_progress_comes_every_interval_not_every_step(tiny_args, tmp_path)
     assert len(progress) < 6, text
 
 
+@pytest.mark.slow
 def test_a_restart_is_one_phalanx_line_and_torch_stays_quiet(tiny_args, tmp_path):
     _, text = train_to_file(tmp_path, *tiny_args, "--nproc", "2", "safe.inject=[{fault: kill, rank: 1, step: 5}]",
                             "checkpoint.memory_interval=0")  # a restart from the disk checkpoint of step 4
@@ -64,11 +66,13 @@ def test_a_restart_is_one_phalanx_line_and_torch_stays_quiet(tiny_args, tmp_path
     assert not TORCH_LOG_LINE.search(text) and "FutureWarning" not in text and "closing signal" not in text, text
 
 
+@pytest.mark.slow
 def test_debug_shows_torchs_own_lines(tiny_args, tmp_path):
     _, text = train_to_file(tmp_path, "--debug", *tiny_args, "train.max_steps=2", "--nproc", "2")
     assert "broadcast_buffers" in text  # DDP's FutureWarning, hidden without --debug
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_with_the_resume_hint(tiny_args, tmp_path, runs_root):
     log = tmp_path / "stderr.txt"
     with open(log, "w") as err:
@@ -106,6 +110,7 @@ def test_bad_option_values_are_one_error_line(args, says):
     assert lines[0].startswith("error: ") and says in lines[0] and "--help" in lines[0]
 
 
+@pytest.mark.slow
 def test_a_finished_run_says_so_and_keeps_its_summary(tiny_args, tmp_path):
     first = train_json(*tiny_args, "train.max_steps=3")
     summary_file = Path(first["run_dir"]) / "summary.json"
@@ -121,6 +126,7 @@ def test_a_finished_run_says_so_and_keeps_its_summary(tiny_args, tmp_path):
         "error: train.max_steps=2 is below the step of the newest checkpoint, 3"), text
 
 
+@pytest.mark.slow
 def test_a_refused_launch_leaves_no_run_directory(tiny_args, tmp_path, runs_root):
     proc = phalanx("train", *tiny_args, "model.vocab_size=100", check=False)  # refused after data prep
     assert proc.returncode == 2 and "smaller than the tokenizer" in proc.stderr
@@ -133,6 +139,7 @@ def test_a_refused_launch_leaves_no_run_directory(tiny_args, tmp_path, runs_root
     assert proc.returncode == 2 and not (runs_root / run_name(tiny_args)).exists()
 
 
+@pytest.mark.slow
 def test_the_preflight_drill_says_how_to_clear_its_quarantine(tmp_path):
     proc = phalanx("preflight", f"run.dir={tmp_path}", "--quick", "--nproc", "2", "--inject-slow-rank", "1",
                    check=False)
@@ -176,6 +183,7 @@ def test_every_help_has_an_example_and_fits_80_columns(path):
         assert path == [] or line.split()[1] == path[0], line
 
 
+@pytest.mark.slow
 def test_runs_tables_fit_80_columns(tiny_args, runs_root):
     long_name = [a for a in tiny_args if not a.startswith("run.name=")] + [
         f"run.name={run_name(tiny_args)}-with-a-rather-long-name"]

@@ -20,6 +20,7 @@ def test_misspelt_key_names_it_and_the_right_one():
     assert "train.max_step" in line and "train.max_steps" in line
 
 
+@pytest.mark.slow
 def test_missing_config_and_missing_data(tmp_path):
     assert "config file not found" in fails("train", str(tmp_path / "nope.yaml"))
     assert "not found" in fails("train", f"data.sources=[{tmp_path / 'missing.txt'}]", f"run.dir={tmp_path}")
@@ -35,6 +36,7 @@ def test_vocabulary_too_small(tiny_args):
     assert "vocab" in fails("data", "prepare", *tiny_args, "data.vocab_size=100")
 
 
+@pytest.mark.slow
 def test_batch_sizes_that_do_not_divide(tiny_args):
     assert "multiple of" in fails("train", *tiny_args, "train.global_batch_size=6", "train.micro_batch_size=4")
     # 8 sequences over 2 ranks of micro-batch 3: caught before any rank starts
@@ -42,12 +44,14 @@ def test_batch_sizes_that_do_not_divide(tiny_args):
     assert "2 data-parallel ranks" in line
 
 
+@pytest.mark.slow
 def test_checkpoint_from_another_model_shape(tiny_args):
     train_json(*tiny_args, "train.max_steps=2")
     line = fails("train", *tiny_args, "train.max_steps=4", "model.dim=32", "model.ffn_dim=96")
     assert "different model shape" in line and "dim 64 != 32" in line
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_named_explicitly(tiny_args):
     summary = train_json(*tiny_args, "train.max_steps=2")
     from pathlib import Path
@@ -99,6 +103,7 @@ def test_what_ranks_would_refuse_is_one_line_from_the_launcher(tiny_args):
     assert "smaller than the tokenizer" in fails("train", *tiny_args, "model.vocab_size=100")
 
 
+@pytest.mark.slow
 def test_unusable_paths(tiny_args, tmp_path):
     (tmp_path / "a-file").write_text("x")
     assert "cannot create run directory" in fails("train", *tiny_args, f"run.dir={tmp_path / 'a-file'}")
@@ -118,6 +123,7 @@ def test_one_launch_per_run_directory(tiny_args, runs_root):
         assert "in use by a running `phalanx train`" in fails("train", *tiny_args)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_ranks_and_exits_143(tiny_args, runs_root):
     import signal
     import subprocess

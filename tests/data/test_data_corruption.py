@@ -3,6 +3,8 @@ stop the next `phalanx train` before any rank trains on them, with one line nami
 
 from __future__ import annotations
 
+import pytest
+
 from pathlib import Path
 
 from phalanx.data.prepare import PreparedData
@@ -10,6 +12,8 @@ from phalanx.data.shards import HEADER
 from phalanx.run.layout import RunDir
 from phalanx.run.prepare import prepared_data
 from tests.helpers import phalanx, train_json
+
+pytestmark = pytest.mark.slow  # each test here takes over 5 s (TESTING.md)
 
 
 def test_zeroed_bytes_in_a_shard_are_refused_before_training(tiny_args, tmp_path):

@@ -61,6 +61,7 @@ def field(reader: gguf.GGUFReader, key: str):
     return reader.fields[key].contents()
 
 
+@pytest.mark.slow
 def test_gguf_keys_and_tensors(run_dir, exports):
     loaded = load_model(run_dir)
     args, tokenizer = loaded.model.args, loaded.tokenizer
@@ -159,6 +160,7 @@ def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
     return logits
 
 
+@pytest.mark.slow
 def test_llama_cpp_tokenises_like_phalanx(run_dir, exports):
     llama_cpp = pytest.importorskip("llama_cpp")
     tokenizer = load_model(run_dir).tokenizer
@@ -177,6 +179,7 @@ def test_llama_cpp_tokenises_like_phalanx(run_dir, exports):
         llm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 def test_llama_cpp_logits_match_phalanx(run_dir, exports, dtype, monkeypatch):
     plain_cpu_buffers(monkeypatch)
@@ -191,6 +194,7 @@ def test_llama_cpp_logits_match_phalanx(run_dir, exports, dtype, monkeypatch):
     assert agree > 0.9
 
 
+@pytest.mark.slow
 def test_tied_model_uses_token_embd_for_output(run_dir, tmp_path):
     """A tied model has no `output` tensor; llama.cpp falls back to token_embd, with the same logits."""
     loaded = load_model(run_dir)
@@ -206,6 +210,7 @@ def test_tied_model_uses_token_embd_for_output(run_dir, tmp_path):
     assert diff < TOLERANCE["f32"]
 
 
+@pytest.mark.slow
 def test_gguf_from_an_hf_export_is_the_same_model(run_dir, exports, tmp_path):
     """RUN_DIR may be an HF export: converting it gives the very tensors of a direct export."""
     export_run(run_dir, "hf", tmp_path / "hf")
@@ -216,6 +221,7 @@ def test_gguf_from_an_hf_export_is_the_same_model(run_dir, exports, tmp_path):
     assert all(np.array_equal(direct[name], via_hf[name]) for name in direct)
 
 
+@pytest.mark.slow
 def test_tokenizer_llama_cpp_would_split_differently_is_refused(run_dir, tmp_path):
     from tokenizers import pre_tokenizers
 
@@ -238,6 +244,7 @@ def test_quantised_types_fall_back_to_f16_for_rows_that_are_not_whole_blocks():
     assert qtype is None and array.dtype == np.float16
 
 
+@pytest.mark.slow
 def test_quantised_types_are_for_gguf_only(run_dir, tmp_path):
     result = phalanx("export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"), "--dtype", "q8_0",
                      check=False)
@@ -245,6 +252,7 @@ def test_quantised_types_are_for_gguf_only(run_dir, tmp_path):
     assert "the quantised types are for --format gguf" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_gguf_export_loads_back_as_the_same_model(run_dir, exports):
     """load_model reads a GGUF export (its directory or the file): the f32 file gives phalanx's very
     logits, its vocabulary the same token ids, its chat template back."""
@@ -262,6 +270,7 @@ def test_a_gguf_export_loads_back_as_the_same_model(run_dir, exports):
     assert loaded.chat_template == CHAT_TEMPLATE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
 def test_a_quantised_gguf_loads_dequantised(run_dir, exports, dtype):
     original = load_model(run_dir)
@@ -271,6 +280,7 @@ def test_a_quantised_gguf_loads_dequantised(run_dir, exports, dtype):
     assert 0 < diff < TOLERANCE[dtype]
 
 
+@pytest.mark.slow
 def test_generate_and_serve_take_a_gguf_export(run_dir, exports):
     import httpx
 
@@ -287,6 +297,7 @@ def test_generate_and_serve_take_a_gguf_export(run_dir, exports):
         assert httpx.post(f"{live.url}/api/show", json={"model": "from-gguf"}).json()["details"]["format"] == "gguf"
 
 
+@pytest.mark.slow
 def test_a_broken_gguf_is_one_line_and_exit_2(tmp_path, exports):
     broken = tmp_path / "broken"
     broken.mkdir()

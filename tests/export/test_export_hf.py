@@ -100,6 +100,7 @@ def test_transformers_logits_match_phalanx(run_dir, export_dir):
     assert diff < 1e-4
 
 
+@pytest.mark.slow
 def test_tokenizer_files_and_chat_template(run_dir, export_dir):
     tokenizer = transformers.AutoTokenizer.from_pretrained(export_dir)
     assert (tokenizer.bos_token, tokenizer.eos_token) == (BOS, EOS)
@@ -119,6 +120,7 @@ def test_tokenizer_files_and_chat_template(run_dir, export_dir):
     assert ids[0] == 0 and ids[1] != 0
 
 
+@pytest.mark.slow
 def test_load_hf_export_round_trip(run_dir, export_dir):
     assert is_hf_export(export_dir) and not is_hf_export(run_dir)
     original, reloaded = load_model(run_dir), load_model(export_dir)
@@ -129,6 +131,7 @@ def test_load_hf_export_round_trip(run_dir, export_dir):
     assert torch.equal(phalanx_logits(reloaded.model, ids), phalanx_logits(original.model, ids))
 
 
+@pytest.mark.slow
 def test_tied_model_shares_lm_head(export_dir):
     model = transformers.LlamaForCausalLM.from_pretrained(export_dir, torch_dtype=torch.float32)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -136,6 +139,7 @@ def test_tied_model_shares_lm_head(export_dir):
     assert reloaded.output.weight is reloaded.tok_embeddings.weight
 
 
+@pytest.mark.slow
 def test_untied_model_and_half_precision(run_dir, tmp_path):
     """An untied model keeps lm_head.weight; f32, f16 and bf16 exports all load and keep its logits."""
     loaded = load_model(run_dir)
@@ -165,6 +169,7 @@ def test_untied_model_and_half_precision(run_dir, tmp_path):
         assert torch.equal(reloaded.output.weight, hf_state_dict(untied, torch_dtype)["lm_head.weight"].float())
 
 
+@pytest.mark.slow
 def test_force_replaces_an_existing_export(run_dir, tmp_path):
     out = tmp_path / "model"
     out.mkdir()

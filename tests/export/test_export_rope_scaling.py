@@ -53,6 +53,7 @@ def logits_of(model: Transformer, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids]))[0].float().numpy()
 
 
+@pytest.mark.slow
 def test_hf_export_matches_transformers(scaled_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -76,6 +77,7 @@ def test_hf_export_matches_transformers(scaled_run, tmp_path):
     assert load_model(out).model.args == loaded.model.args  # read back, scaling included
 
 
+@pytest.mark.slow
 def test_gguf_export_matches_llama_cpp(scaled_run, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     out = tmp_path / "gguf"

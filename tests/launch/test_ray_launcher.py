@@ -18,6 +18,8 @@ from tests.helpers import agent_of, free_port, is_rank, losses_by_step, train_js
 
 from phalanx.run.records import read_events
 
+pytestmark = pytest.mark.slow  # each test here takes over 5 s (TESTING.md)
+
 ray = pytest.importorskip("ray", reason="the Ray tests need the ray extra (pip install 'phalanx[ray]')")
 
 # Ray's multi-node switch off makes every Ray process, and each node's advertised address, 127.0.0.1

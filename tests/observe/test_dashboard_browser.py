@@ -102,6 +102,7 @@ def test_run_page_draws_every_step_the_restart_and_each_rank(url, page, drill, s
     assert not page.errors
 
 
+@pytest.mark.slow
 def test_run_page_follows_a_training_run_live(url, page, drill):
     store = drill["store"]
     run_id = store.start_run("live", drill["root"] / "live", {"train": {"max_steps": 10}}, "tiny", 1, 10, "node-a")
@@ -123,6 +124,7 @@ def test_run_page_follows_a_training_run_live(url, page, drill):
     assert not page.errors
 
 
+@pytest.mark.slow
 def test_compare_page_overlays_the_runs_ticked_in_the_list(url, page, drill, screenshots):
     store = drill["store"]
     other = store.start_run("other", drill["root"] / "other", {}, "tiny", 1, 12, "node-a")

@@ -25,8 +25,9 @@ RUN = "charts-drill"
 TOKEN = "charts-browser-token-0123456789"
 TOKENS_PER_STEP = 8 * 32  # TINY's global batch x sequence length
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(),
-                                reason=f"no Chromium at {CHROMIUM} (apt-get install -y chromium; CI installs it)")
+pytestmark = [pytest.mark.slow,  # each test here takes over 5 s (TESTING.md)
+              pytest.mark.skipif(not Path(CHROMIUM).is_file(),
+                                 reason=f"no Chromium at {CHROMIUM} (apt-get install -y chromium; CI installs it)")]
 
 
 @pytest.fixture(scope="module")

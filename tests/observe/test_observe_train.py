@@ -57,6 +57,7 @@ def observed(corpus, runs_root):
             "metrics": scraped}
 
 
+@pytest.mark.slow
 def test_the_store_holds_the_run_its_restart_and_every_ranks_timings(observed):
     store = RunStore.open(None, observed["root"], create=False)
     run = store.find_run("watched")
@@ -132,6 +133,7 @@ def config_lr(observed) -> float:
     return yaml.safe_load((observed["run_dir"] / "config.yaml").read_text())["train"]["lr"]
 
 
+@pytest.mark.slow
 def test_runs_commands_read_the_same_store(observed, tmp_path):
     root = str(observed["root"])
     listed = json.loads(phalanx("runs", "list", "--runs", root, "--json").stdout)

@@ -64,6 +64,7 @@ def _ring_worker(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])  # 3 ranks: the ring's direction matters (2 cannot tell)
 def test_ring_attention_matches_full_causal_sdpa(world):
     mp.spawn(_ring_worker, args=(world, free_port()), nprocs=world, join=True)

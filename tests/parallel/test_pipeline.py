@@ -121,11 +121,8 @@ def pp_straight(one_process):
     return pipelined(one_process[0], "pp2-1f1b")
 
 
-@pytest.mark.parametrize("schedule", [
-    "1f1b",
-    pytest.param("gpipe", marks=pytest.mark.slow),
-    pytest.param("interleaved_1f1b", marks=pytest.mark.slow),  # two stages per rank: four in all
-])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b"])  # interleaved: four stages in all
 def test_losses_match_one_process(one_process, pp_straight, schedule):
     args, baseline = one_process
     summary = pp_straight if schedule == "1f1b" else pipelined(args, f"pp2-{schedule}",
@@ -146,6 +143,7 @@ def test_pipeline_composes_on_four_ranks(one_process, overrides, request):
     assert max(diffs) < 1e-4, diffs
 
 
+@pytest.mark.slow
 def test_pp_resume_is_exact(one_process, pp_straight):
     args, _ = one_process
     straight = pp_straight

@@ -86,6 +86,7 @@ def test_bad_layouts_say_why():
                                  pp=kwargs.get("pp"))
 
 
+@pytest.mark.slow
 def test_cli_proposes_and_plans_a_given_layout():
     proposal = json.loads(phalanx("plan", "70b", "--gpu", "mi300x", "--gpus", "64", "--no-trace", "--json").stdout)
     assert proposal["chosen"]["fits"] and proposal["device"] == "mi300x"

@@ -11,6 +11,8 @@ import pytest
 from phalanx.models.presets import MODEL_PRESETS
 from phalanx.plan.memory import Workload, estimate
 
+pytestmark = pytest.mark.slow  # each test here takes over 5 s (TESTING.md)
+
 TOLERANCE = 0.10
 
 

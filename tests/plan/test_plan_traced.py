@@ -32,6 +32,7 @@ def test_traced_step_agrees_with_the_hand_model(dp_shard, tp, dtype, ac):
     assert traced.activations > 0 and traced.at_peak["parameters"] > 0
 
 
+@pytest.mark.slow
 def test_real_tensor_parallel_step_matches_both(tmp_path):
     """Two gloo ranks with tp=2 through torch's launcher (plan/measure.py: peak live tensor bytes from
     the allocator's events): the hand model and the traced step both land within 10%."""

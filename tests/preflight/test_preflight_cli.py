@@ -1,3 +1,4 @@
+import pytest
 """`phalanx preflight` through the real launcher: gloo ranks on CPU, the run store, the slow-rank drill,
 and two node agents on this machine standing in for two nodes."""
 
@@ -46,6 +47,7 @@ def test_two_ranks_pass_and_report_every_check(tmp_path):
         store.close()
 
 
+@pytest.mark.slow
 def test_an_injected_slow_rank_is_named_by_bisection(tmp_path):
     # 4 ranks: the bisection compares halves [0, 1] and [2, 3], then finds the late rank within the slow half
     code, report, stderr = preflight_json(f"run.dir={tmp_path}", "observe.store=none", "--nproc", "4",
@@ -60,6 +62,7 @@ def test_an_injected_slow_rank_is_named_by_bisection(tmp_path):
     assert "rank 2" in stderr and "preflight failed" in stderr
 
 
+@pytest.mark.slow
 def test_two_nodes_name_the_slow_node_and_only_it_is_quarantined(tmp_path):
     # Two node agents of 2 ranks each; the drill (set the documented way, by environment) slows rank 3,
     # on the second node. Both share one run store, as nodes sharing a runs directory would.
@@ -98,6 +101,7 @@ def test_two_nodes_name_the_slow_node_and_only_it_is_quarantined(tmp_path):
         store.close()
 
 
+@pytest.mark.slow
 def test_a_failed_check_quarantines_the_node_until_cleared(tmp_path):
     proc = phalanx("preflight", f"run.dir={tmp_path}", "--quick", "--nproc", "1",
                    "--threshold", "matmul_fp32_tflops=1000", check=False)

@@ -3,6 +3,8 @@ launches until cleared, and a restart preflights the node again before its ranks
 
 from __future__ import annotations
 
+import pytest
+
 import socket
 
 from phalanx.observe.store import RunStore
@@ -12,6 +14,7 @@ from tests.helpers import phalanx, train_json
 NODE = socket.gethostname()
 
 
+@pytest.mark.slow
 def test_a_node_failing_preflight_does_not_train_and_stays_out_until_cleared(tiny_args, tmp_path):
     args = [*tiny_args, f"run.dir={tmp_path}"]
     # No CPU reaches 10^6 TFLOP/s in fp32: the preflight fails this node before any rank trains.
@@ -34,6 +37,7 @@ def test_a_node_failing_preflight_does_not_train_and_stays_out_until_cleared(tin
     assert train_json(*args)["steps"] == 12
 
 
+@pytest.mark.slow
 def test_a_restart_preflights_the_node_again(tiny_args):
     summary = train_json(*tiny_args, "safe.preflight=quick", "safe.inject=[{fault: kill, rank: 1, step: 6}]",
                          "--nproc", "2")

@@ -58,6 +58,7 @@ def crafted(trained, tmp_path):
     return run, marker
 
 
+@pytest.mark.slow
 def test_the_payload_is_real(crafted):
     """Plain pickle (what torch's reader does) runs it and still gets working metadata: the test can fail."""
     run, marker = crafted

@@ -62,6 +62,7 @@ def test_kill_rank_restarts_from_checkpoint(clean):
     assert loaded["step"] == 10  # rank 1 died in step 20's forward, before step 20's save
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["forward", "collective"])
 def test_hung_rank_is_found_its_stack_saved_and_run_completes(clean, phase):
     summary, events = drill(clean, f"drill-hang-{phase}", [{"fault": "hang", "rank": 1, "step": 25, "phase": phase}])
@@ -82,6 +83,7 @@ def test_hung_rank_is_found_its_stack_saved_and_run_completes(clean, phase):
     assert summary["goodput"]["detection"] >= 2.0
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_and_its_missing_stack_explained(clean):
     summary, events = drill(clean, "drill-stop", [{"fault": "stop", "rank": 1, "step": 25}])
     assert summary["restarts"] == 1 and summary["faults"] == {"hang": 1}
@@ -104,6 +106,7 @@ def test_nan_loss_rolls_back_and_replays(clean):
     assert summary["goodput"]["redone"] > 0
 
 
+@pytest.mark.slow
 def test_nan_loss_with_skip_policy_skips_the_update(clean):
     args, _, clean_losses = clean
     faults = json.dumps([{"fault": "nan", "rank": 0, "step": 33}])
@@ -119,6 +122,7 @@ def test_nan_loss_with_skip_policy_skips_the_update(clean):
     assert "step_skipped" in kinds(read_events(Path(summary["run_dir"])))
 
 
+@pytest.mark.slow
 def test_corrupt_newest_checkpoint_is_skipped_for_the_previous(clean):
     faults = [{"fault": "corrupt_checkpoint", "rank": 0, "step": 45}, {"fault": "kill", "rank": 1, "step": 47}]
     summary, events = drill(clean, "drill-corrupt", faults)
@@ -129,6 +133,7 @@ def test_corrupt_newest_checkpoint_is_skipped_for_the_previous(clean):
     assert (Path(summary["run_dir"]) / "checkpoints" / "corrupt-step_00000040").is_dir()
 
 
+@pytest.mark.slow
 def test_failed_save_is_recorded_and_retried_next_interval(clean):
     summary, events = drill(clean, "drill-fail-save", [{"fault": "fail_save", "rank": 1, "step": 30}])
     failed = next(e for e in events if e["kind"] == "save_failed")
@@ -138,6 +143,7 @@ def test_failed_save_is_recorded_and_retried_next_interval(clean):
     assert not (Path(summary["run_dir"]) / "checkpoints" / "step_00000030").exists()
 
 
+@pytest.mark.slow
 def test_slow_rank_is_reported_as_straggler(clean):
     summary, events = drill(clean, "drill-slow", [{"fault": "slow", "rank": 1, "step": 5, "ms": 150}],
                             "safe.straggler_window=10")
@@ -148,6 +154,7 @@ def test_slow_rank_is_reported_as_straggler(clean):
     assert alerts[0]["step"] == 10  # the first window after the slowdown
 
 
+@pytest.mark.slow
 def test_crash_loop_stops_with_its_own_exit_code(clean):
     args, _, _ = clean
     faults = json.dumps([{"fault": "kill", "rank": 1, "step": 3, "repeat": True}])
@@ -159,6 +166,7 @@ def test_crash_loop_stops_with_its_own_exit_code(clean):
     assert "rank 1 exited with code -9 at step 3" in last
 
 
+@pytest.mark.slow
 def test_restarts_exhausted_exit_code(clean):
     args, _, _ = clean
     faults = json.dumps([{"fault": "kill", "rank": 0, "step": 15, "repeat": True}])
@@ -168,6 +176,7 @@ def test_restarts_exhausted_exit_code(clean):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: the run failed again after 1 restarts")
 
 
+@pytest.mark.slow
 def test_restart_continues_from_this_launchs_checkpoint_even_with_resume_never(clean):
     summary, events = drill(clean, "drill-kill-never", [{"fault": "kill", "rank": 0, "step": 14}],
                             "checkpoint.resume=never")

@@ -50,6 +50,7 @@ def generate(oll: ollama.Client, **extra):
 
 # ---- HEAD and 405 ----
 
+@pytest.mark.slow
 def test_head_on_every_get_route(live, http):
     paths = sorted({route.path.replace("{model_id:path}", MODEL) for route in all_routes(live.inner.uvicorn.config.app)
                     if "GET" in getattr(route, "methods", ())})

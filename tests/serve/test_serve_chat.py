@@ -6,6 +6,8 @@ forgets the history (and says so), a turn too long for the context is refused an
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import re
 import signal
@@ -84,6 +86,7 @@ def test_chat_piped_locally_and_against_a_server(served_run):
         assert unknown.stdout == ""  # refused before the first turn
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_a_piped_chat(served_run):
     """Piped in, there is no one to go on chatting with: Ctrl-C (SIGINT) ends the chat as it ends any
     command, with one line and exit 130, rather than going on to the next line."""

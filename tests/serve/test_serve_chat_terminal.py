@@ -19,6 +19,8 @@ import pytest
 from pseudo_terminal import CTRL_C, CTRL_D, TAB, UP, PseudoTerminal
 from serve_helpers import InProcessServer
 
+pytestmark = pytest.mark.slow  # each test here takes over 5 s (TESTING.md)
+
 ASK = "Who is there?"
 EXIT_HINT = "Use Ctrl + d or /bye to exit."
 # Seeded and unlimited: a 4-step model rambles on until the context (1024 tokens) is full, long enough to

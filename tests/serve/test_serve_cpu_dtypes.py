@@ -115,6 +115,7 @@ def test_greedy_tokens_are_the_same_alone_and_in_a_busy_batch(corpus, weights):
     assert run(slots=8) == run(slots=1)
 
 
+@pytest.mark.slow
 def test_serve_quantize_int8_serves_and_refuses_what_it_cannot(served_run, tmp_path):
     log = tmp_path / "serve.log"
     with open(log, "w") as out:

@@ -26,6 +26,8 @@ from phalanx.serve.engine import Engine, PromptTooLong, QueueFull
 from phalanx.serve.llamacpp_engine import LlamaCppEngine
 from phalanx.serve.options import SamplingOptions
 
+pytestmark = pytest.mark.slow  # needs llama-cpp-python (the whole suite's install)
+
 llama_cpp = pytest.importorskip("llama_cpp")
 
 PROMPTS = ["ROMEO: wherefore art thou", "JULIET:\nO Romeo, Romeo!", "What light", "MACBETH: Is this a dagger"]

@@ -26,6 +26,8 @@ import pytest
 from phalanx.models.llama import ModelArgs
 from serve_helpers import API_KEY, serve_process
 
+pytestmark = pytest.mark.slow  # needs .venv-vllm (scripts/setup_vllm.sh), and starts vLLM: tens of seconds
+
 ARGS = ModelArgs(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab_size=384, max_seq_len=256,
                  tie_embeddings=False)
 TEXTS = ["ROMEO: wherefore art thou", "JULIET:\nO Romeo, Romeo!", "What light", "MACBETH: Is this a dagger"]

@@ -66,6 +66,7 @@ def test_a_real_dcp_save_onto_a_full_disk_is_recognised_from_its_exception(small
     assert not is_disk_full(RuntimeError("unexpected pos 704 vs 598"), small_fs)
 
 
+@pytest.mark.slow
 def test_a_run_whose_final_save_fails_on_a_full_disk_exits_8_and_says_why(small_fs, tiny_args, tmp_path):
     store = tmp_path / "store.db"  # off the small file system: the store records how the run ended
     args = [a for a in tiny_args if not a.startswith("run.dir=")] + [f"run.dir={small_fs}", f"observe.store={store}"]

@@ -42,6 +42,7 @@ def clean(corpus, runs_root):
     return args, summary, stderr, losses_by_step(summary["run_dir"])
 
 
+@pytest.mark.slow
 def test_auto_interval_is_chosen_once_and_snapshots_are_removed_at_the_end(clean):
     _, summary, stderr, _ = clean
     chosen = [e for e in read_events(Path(summary["run_dir"])) if e["kind"] == "memory_snapshot_interval"]
@@ -50,6 +51,7 @@ def test_auto_interval_is_chosen_once_and_snapshots_are_removed_at_the_end(clean
     assert run_snapshot_dirs(Path(summary["run_dir"])) == []  # finished: gone from /dev/shm
 
 
+@pytest.mark.slow
 def test_kill_resumes_from_the_in_memory_snapshot_bit_identically(clean):
     args, _, _, clean_losses = clean
     kill = [{"fault": "kill", "rank": 1, "step": 8}]
@@ -67,6 +69,7 @@ def test_kill_resumes_from_the_in_memory_snapshot_bit_identically(clean):
     assert run_snapshot_dirs(run_dir) == []
 
 
+@pytest.mark.slow
 def test_a_nan_loss_rolls_back_to_the_snapshot_of_the_step_before(clean):
     args, _, _, clean_losses = clean
     nan = [{"fault": "nan", "rank": 1, "step": 8}]

@@ -4,12 +4,16 @@ training again from step 0 (checkpoint.resume=never does that on purpose)."""
 
 from __future__ import annotations
 
+import pytest
+
 from pathlib import Path
 
 from phalanx.run.layout import RunDir
 from phalanx.run.records import read_events
 from phalanx.safe.inject import corrupt_checkpoint
 from tests.helpers import phalanx, train_json
+
+pytestmark = pytest.mark.slow  # each test here takes over 5 s (TESTING.md)
 
 
 def test_a_step_without_manifest_is_named_and_skipped(tiny_args):

@@ -13,6 +13,7 @@ def single(tiny_args):
     return train_json(*tiny_args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process(tiny_args, single, strategy):
     two = train_json(*rename(tiny_args, f"-{strategy}"), f"parallel.strategy={strategy}", "--nproc", "2")
@@ -31,6 +32,7 @@ def test_exact_resume_two_ddp_ranks(tiny_args):
     assert losses_by_step(whole["run_dir"]) == losses_by_step(resumed["run_dir"])
 
 
+@pytest.mark.slow
 def test_a_null_micro_batch_splits_the_global_batch_over_any_rank_count(tiny_args):
     """train.micro_batch_size null (the shipped default): each rank takes its share of the global batch in
     one pass, so the same config trains on 1 and 2 ranks to the same losses and the same validation set."""

@@ -1,3 +1,4 @@
+import pytest
 """One-process training through the real CLI: outputs, loss, exact resume, checkpoints, generation."""
 
 import json
@@ -36,6 +37,7 @@ def test_train_writes_run_and_loss_falls(tiny_args):
     assert summary["last_checkpoint"] == str(latest_checkpoint(root / "checkpoints"))
 
 
+@pytest.mark.slow
 def test_peak_tflops_gives_mfu(tiny_args):
     summary = train_json(*tiny_args, "train.max_steps=3", "train.peak_tflops=0.5")
     assert summary["mfu"] == summary["achieved_tflops"] / 0.5
@@ -54,6 +56,7 @@ def test_exact_resume_single_process(tiny_args):
     assert resumed["val_loss_final"] == whole["val_loss_final"]
 
 
+@pytest.mark.slow
 def test_finished_run_is_not_trained_again(tiny_args):
     first = train_json(*tiny_args, "train.max_steps=3")
     again = train_json(*tiny_args, "train.max_steps=3")
@@ -61,6 +64,7 @@ def test_finished_run_is_not_trained_again(tiny_args):
     assert len([m for m in read_metrics(first["run_dir"]) if "loss" in m]) == 3
 
 
+@pytest.mark.slow
 def test_resume_never_starts_over_and_keeps_the_old_checkpoints(tiny_args):
     first = train_json(*tiny_args, "train.max_steps=3")
     fresh = train_json(*tiny_args, "train.max_steps=3", "checkpoint.resume=never")
@@ -71,6 +75,7 @@ def test_resume_never_starts_over_and_keeps_the_old_checkpoints(tiny_args):
     assert len(kept) == 1 and fresh["last_checkpoint"] != str(kept[0])
 
 
+@pytest.mark.slow
 def test_generate_from_trained_run(tiny_args):
     summary = train_json(*tiny_args)
     args = ["generate", summary["run_dir"], "ROMEO:", "--max-new-tokens", "20", "--seed", "3"]
@@ -82,6 +87,7 @@ def test_generate_from_trained_run(tiny_args):
                              "--max-new-tokens", "8").stdout
 
 
+@pytest.mark.slow
 def test_partial_checkpoint_is_ignored(tiny_args):
     summary = train_json(*tiny_args, "train.max_steps=4")
     root = summary["last_checkpoint"].rsplit("/", 1)[0]
@@ -93,6 +99,7 @@ def test_partial_checkpoint_is_ignored(tiny_args):
     assert json.loads((Path(root) / "step_00000006" / "trainer.json").read_text())["step"] == 6
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_and_compile_train_save_and_generate(tiny_args):
     """Both wrap the blocks; checkpoints must still load into the plain model that generate builds."""
     plain = train_json(*tiny_args, "train.max_steps=4")
