@@ -16,12 +16,22 @@ if ! python -c "import torch" 2>/dev/null; then
   step "installing torch ${TORCH_VERSION:-2.13.0} (about 20 s from a local wheel, minutes from the network)"
   pip install -q "torch==${TORCH_VERSION:-2.13.0}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
+# What each extra brings that takes long to install: present, pip only checks (seconds).
 case ",${EXTRAS:-}," in
-  *,test-all,*) step "installing phalanx with [${EXTRAS}]: about 2 minutes, plus 6-10 minutes to build llama-cpp-python from source (pip keeps the wheel for the next venv)" ;;
-  *,test,*) step "installing phalanx with [${EXTRAS}]: about 2 minutes (Ray, transformers, playwright, ...)" ;;
-  ,,) step "installing phalanx: about 1 minute" ;;
-  *) step "installing phalanx with [${EXTRAS}]" ;;
+  *,test-all,*) probe="import phalanx, xdist, llama_cpp" ;;
+  *,test,*) probe="import phalanx, xdist" ;;
+  *) probe="import phalanx" ;;
 esac
+if python -c "$probe" 2>/dev/null; then
+  step "checking that phalanx${EXTRAS:+ [$EXTRAS]} is installed and current (seconds)"
+else
+  case ",${EXTRAS:-}," in
+    *,test-all,*) step "installing phalanx with [${EXTRAS}]: about 2 minutes, plus 3-10 minutes to build llama-cpp-python from source the first time (pip keeps the wheel)" ;;
+    *,test,*) step "installing phalanx with [${EXTRAS}]: about 2 minutes (Ray, transformers, playwright, ...)" ;;
+    ,,) step "installing phalanx: about 1 minute" ;;
+    *) step "installing phalanx with [${EXTRAS}]" ;;
+  esac
+fi
 pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
 python -c "import torch; print(f'phalanx ready: torch {torch.__version__}, GPU: {torch.cuda.is_available()}')"
 step "done"

@@ -4,7 +4,7 @@ Why a process: llguidance (1.9.1) resolves `$ref`s and nested schemas recursivel
 chain of about 2,500 `$ref`s, or 80 `$ref`s each 20 objects deep, overflows the stack and the process
 dies with SIGSEGV: no exception, no thread or bound on the document alone catches it (measured: the
 overflow depends on the resolved depth across `$ref`s, not on the document's nesting). Heavy schemas
-are the other hazard: an `anyOf` over 3,000 properties costs 16-42 s of CPU and hundreds of MB. So the
+are the other hazard (reported: an `anyOf` over 3,000 properties cost 16-42 s of CPU and 500 MB). So the
 worker does all of a schema's work that can blow up (the schema to a grammar, the grammar's check, a
 matcher over the model's vocabulary and its first token mask), and the server only ever builds a
 matcher from a grammar the worker finished. A worker that crashes, runs over its memory budget, or over
@@ -45,11 +45,11 @@ def first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "unknown error"
 
 
-def compile_in_this_process(schema_text: str, tokenizer_json: str | None = None, eos_id: int = 0) -> str:
-    """Schema text to a grammar llguidance accepts, or FormatError. With a tokenizer, also a matcher over
-    its vocabulary and its first mask, where row and lexer limits show. Can crash the process: only the
-    worker calls it on requests' schemas."""
-    from llguidance import LLMatcher, LLTokenizer
+def compile_in_this_process(schema_text: str, tokenizer: Any = None) -> str:
+    """Schema text to a grammar llguidance accepts, or FormatError. With a tokenizer (an LLTokenizer),
+    also a matcher over its vocabulary and its first mask, where row and lexer limits show. Can crash
+    the process: only the worker calls it on requests' schemas."""
+    from llguidance import LLMatcher
 
     try:
         grammar = LLMatcher.grammar_from_json_schema(schema_text, defaults=COMPILE_OPTIONS)
@@ -58,8 +58,8 @@ def compile_in_this_process(schema_text: str, tokenizer_json: str | None = None,
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if failed:
         raise FormatError(f"the JSON schema is not supported: {first_line(messages[0])}")
-    if tokenizer_json is not None:
-        matcher = LLMatcher(LLTokenizer(tokenizer_json, eos_token=eos_id), grammar, log_level=0)
+    if tokenizer is not None:
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if not matcher.is_error():
             matcher.compute_logit_bias()
         if matcher.is_error():
@@ -76,11 +76,11 @@ def _worker(memory_limit: int) -> None:
     from llguidance import LLTokenizer
 
     start = json.loads(sys.stdin.readline())
-    LLTokenizer(start["tokenizer"], eos_token=start["eos_id"])  # fail here, at start, not on a request
+    tokenizer = LLTokenizer(start["tokenizer"], eos_token=start["eos_id"])  # fails here, not on a request
     print(json.dumps(["ready", ""]), flush=True)
     for line in sys.stdin:
         try:
-            reply = ["ok", compile_in_this_process(line, start["tokenizer"], start["eos_id"])]
+            reply = ["ok", compile_in_this_process(line, tokenizer)]
         except FormatError as e:
             reply = ["error", str(e)]
         except Exception as e:  # llguidance's own failures (a panic, a limit) are the schema's fault too

@@ -19,7 +19,7 @@ import torch
 from llguidance import LLMatcher, LLTokenizer
 from tokenizers import Tokenizer
 
-from phalanx.serve.schema_compiler import FormatError, SchemaCompiler, first_line, compile_in_this_process
+from phalanx.serve.schema_compiler import FormatError, SchemaCompiler, compile_in_this_process, first_line
 
 # Ollama's `format: "json"` and OpenAI's `json_object`: any JSON object (as llama.cpp's json grammar).
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
