@@ -70,8 +70,6 @@ def compile_in_this_process(schema_text: str, tokenizer: Any = None) -> str:
 def _worker(memory_limit: int) -> None:
     """The worker process: a line of {"tokenizer", "eos_id"} first, then one schema per line in and one
     JSON line ["ok", grammar] or ["error", message] out, until EOF."""
-    import sys
-
     resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
     from llguidance import LLTokenizer
 

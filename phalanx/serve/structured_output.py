@@ -45,7 +45,15 @@ class TokenVocabulary:
     def __init__(self, tokenizer: Tokenizer, eos_id: int, model_vocab: int):
         self._tokenizer, self.eos_id, self.model_vocab = tokenizer, eos_id, model_vocab
         self._ll: LLTokenizer | None = None
-        self.compiler = SchemaCompiler(tokenizer.to_str(), eos_id)
+        self._compiler: SchemaCompiler | None = None
+
+    @property
+    def compiler(self) -> SchemaCompiler:
+        """Made on the first schema: the tokenizer's JSON (megabytes for a large vocabulary) is not
+        serialised at start-up for a server that never sees one."""
+        if self._compiler is None:
+            self._compiler = SchemaCompiler(self._tokenizer.to_str(), self.eos_id)
+        return self._compiler
 
     @property
     def ll(self) -> LLTokenizer:
