@@ -26,9 +26,9 @@ from phalanx.data.tokenizer import train_tokenizer
 from phalanx.export.gguf_export import write_gguf
 from phalanx.models.llama import ModelArgs, Transformer
 from phalanx.run.model_loader import LoadedModel
-from phalanx.serve.engine import Engine
-from phalanx.serve.llamacpp_engine import LlamaCppEngine
-from phalanx.serve.options import SamplingOptions
+from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine
+from phalanx.serve.core.options import SamplingOptions
 
 SHAPES = {  # tiny: the serving tests' run; small: a few million parameters, where matmuls start to count
     "tiny": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 160, "vocab_size": 384},

@@ -84,7 +84,7 @@ def start_server(export: Path, slots: int, threads: int, log: Path, source: Path
                              str(slots), "--max-queue", "64", "--model-name", "bench", "--log-level", "warning"],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                             cwd=log.parent)  # not the repository: `-m` would put its phalanx/ first on the path
-    engine = subprocess.run([sys.executable, "-c", "import phalanx.serve.engine as e; print(e.__file__)"], env=env,
+    engine = subprocess.run([sys.executable, "-c", "import phalanx.serve.engines.torch_engine as e; print(e.__file__)"], env=env,
                             cwd=log.parent, capture_output=True, text=True, check=True).stdout.strip()
     print(f"{log.stem}: {engine}", flush=True)  # which engine a server runs, to check
     deadline = time.monotonic() + 300

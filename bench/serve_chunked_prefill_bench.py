@@ -20,9 +20,9 @@ import torch
 from phalanx.data.tokenizer import train_tokenizer
 from phalanx.models.llama import KVCache, Transformer
 from phalanx.models.presets import get_preset
-from phalanx.serve.engine import Engine
-from phalanx.serve.options import SamplingOptions
-from phalanx.serve.prefill import chunk_plan, prefill_chunk
+from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.engines.prefill import chunk_plan, prefill_chunk
 
 torch.set_num_threads(1)
 torch.set_grad_enabled(False)

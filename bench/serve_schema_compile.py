@@ -18,7 +18,7 @@ from pathlib import Path
 
 from phalanx.data.corpus import iter_documents, resolve_sources
 from phalanx.data.tokenizer import train_tokenizer
-from phalanx.serve.schema_compiler import FormatError, SchemaCompiler
+from phalanx.serve.core.schema_compiler import FormatError, SchemaCompiler
 
 SMALL = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                           "age": {"type": "integer", "minimum": 0}}, "required": ["name", "age"]}

@@ -35,9 +35,9 @@ from phalanx.export.hf import write_hf_export
 from phalanx.models.llama import Transformer
 from phalanx.models.presets import get_preset
 from phalanx.run.model_loader import LoadedModel
-from phalanx.serve.engine import Engine
-from phalanx.serve.int8_weights import quantize_linear_weights
-from phalanx.serve.options import SamplingOptions
+from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.engines.int8_weights import quantize_linear_weights
+from phalanx.serve.core.options import SamplingOptions
 
 STREAMS = (1, 4, 16)
 SLOTS = 16
@@ -120,13 +120,13 @@ def main() -> None:
         write_hf_export(loaded, Path(tmp) / "hf")
 
         def llamacpp(dtype: str):
-            from phalanx.serve.llamacpp_engine import LlamaCppEngine
+            from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine
 
             return LlamaCppEngine(Path(tmp) / f"model-{dtype}.gguf", tokenizer, slots=SLOTS, max_queue=SLOTS,
                                   threads=args.threads)
 
         def vllm(dtype: torch.dtype):
-            from phalanx.serve.vllm_engine import VllmEngine
+            from phalanx.serve.engines.vllm_engine import VllmEngine
 
             return VllmEngine(Path(tmp) / "hf", tokenizer, dtype, slots=SLOTS, max_queue=SLOTS, context=512,
                               threads=args.threads)

@@ -20,7 +20,7 @@ from phalanx.launch.cluster.commands import register as register_cluster
 from phalanx.observe.commands import register as register_observe
 from phalanx.plan.commands import register as register_plan
 from phalanx.preflight.commands import register as register_preflight
-from phalanx.serve.commands import register as register_serve
+from phalanx.serve.cli.commands import register as register_serve
 from phalanx.train.commands import register as register_train
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -47,7 +47,7 @@ def graph() -> dict[str, set[str]]:
 
 
 def folder(module: str) -> str:
-    """The stage folder (or root module) a module belongs to: phalanx.serve.engine -> serve."""
+    """The stage folder (or root module) a module belongs to: phalanx.serve.engines.torch_engine -> serve."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "phalanx"
 
@@ -79,6 +79,25 @@ def imported_folders(stage: str) -> dict[str, list[str]]:
 def test_stage_does_not_reach_up(stage, forbidden):
     broken = {f: where for f, where in imported_folders(stage).items() if f in forbidden}
     assert not broken, f"{stage} imports {sorted(broken)}: {broken}"
+
+
+def serve_room(module: str) -> str | None:
+    """The room of serve/ a module lives in (core, engines, http, cli), None at serve/'s top (the server,
+    which puts an engine under the routes) or outside serve/."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "serve" else None
+
+
+@pytest.mark.parametrize("room, forbidden", [
+    ("core", {"engines", "http", "cli"}),  # the contract and what every engine shares stand alone
+    ("engines", {"http", "cli"}),
+    ("http", {"engines", "cli"}),  # the routes know the engine contract, never one engine
+    ("cli", {"engines"}),  # /set validates as /api/chat does, through the Ollama schema in http/
+])
+def test_serve_rooms(room, forbidden):
+    broken = sorted(f"{module} -> {target}" for module, targets in IMPORTS.items() if serve_room(module) == room
+                    for target in targets if serve_room(target) in forbidden)
+    assert not broken, f"serve/{room} imports {sorted(forbidden)}: {broken}"
 
 
 def test_config_is_a_leaf():
@@ -119,7 +138,9 @@ def test_the_rules_see_real_imports():
     """The graph is not empty by mistake: known edges are there (a parser that saw nothing would pass)."""
     assert "phalanx.models.llama" in IMPORTS["phalanx.parallel.build"]
     assert "phalanx.parallel.build" in IMPORTS["phalanx.train.trainer"]
-    assert "phalanx.run.model_loader" in IMPORTS["phalanx.serve.served"]
+    assert "phalanx.run.model_loader" in IMPORTS["phalanx.serve.core.served"]
+    assert "phalanx.serve.core.scheduler" in IMPORTS["phalanx.serve.engines.torch_engine"]
+    assert "phalanx.serve.core.contract" in IMPORTS["phalanx.serve.http.common"]
     assert "phalanx.errors" in IMPORTS["phalanx.config.loader"]
     # an import inside a function counts too
     assert "phalanx.run.model_loader" in IMPORTS["phalanx.export.export"]

@@ -264,7 +264,7 @@ class Attention(nn.Module):
             end = start_pos + T
             cache_k[:B, :, start_pos:end] = k_BKTE
             cache_v[:B, :, start_pos:end] = v_BKTE
-            # A cache may hold a bf16 model's keys in float32 (a server's on CPU, engine.py): cast back, exactly.
+            # A cache may hold a bf16 model's keys in float32 (a server's on CPU, serve/engines/torch_engine.py): cast back, exactly.
             k_BKTE, v_BKTE = cache_k[:B, :, :end].to(q_BHTE.dtype), cache_v[:B, :, :end].to(q_BHTE.dtype)
             if T == 1:
                 is_causal = False  # one new query may see every cached key
@@ -296,7 +296,7 @@ class Attention(nn.Module):
         cache_v[rows.rows_B, :, rows.positions_B] = v_BKTE[:, :, 0].to(cache_v.dtype)
         # Query head h reads kv head h // group (HF's repeat_kv order), without copying the cache.
         group = self.n_heads // self.n_kv_heads
-        # A server keeps its cache in this dtype (engine.py), so the casts below are no-ops there.
+        # A server keeps its cache in this dtype (serve/engines/torch_engine.py), so the casts below are no-ops there.
         compute = decode_attention_dtype(q_BHTE.device, q_BHTE.dtype)
         q_BKGE = q_BHTE.reshape(B, self.n_kv_heads, group, self.head_dim).to(compute)
         scores_BKGS = (q_BKGE @ cache_k[:B].to(compute).transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
@@ -447,7 +447,7 @@ class Transformer(nn.Module):
 
     def hidden_states(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         """The final norm's output (B, T, D) for whole sequences from position 0, without a cache: what
-        the output projection would read, and what embeddings pool (serve/embeddings.py). Causal, so a
+        the output projection would read, and what embeddings pool (serve/core/embeddings.py). Causal, so a
         row's right padding changes none of its earlier positions."""
         T = tokens_BT.shape[1]
         if T > self.args.max_seq_len:

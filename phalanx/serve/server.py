@@ -8,6 +8,7 @@ one clear line.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,10 @@ from phalanx.errors import PhalanxError
 from phalanx.http_auth import check_secret
 from phalanx.http_guard import server_hosts
 from phalanx.listen import bind, is_loopback
+
+if TYPE_CHECKING:
+    from phalanx.serve.core.contract import EngineObserver, ServingEngine
+    from phalanx.serve.core.served import ServedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENGINES = ("torch", "llamacpp", "vllm")
@@ -54,11 +59,12 @@ def cpu_has_bf16_units() -> bool:
     return any(check is not None and check() for check in checks)
 
 
-def build_engine(kind: str, served, slots: int, max_queue: int, context: int | None, observer,
-                 dtype: torch.dtype = torch.float32, tensor_parallel: int = 1, threads: int | None = None):
+def build_engine(kind: str, served: ServedModel, slots: int, max_queue: int, context: int | None,
+                 observer: EngineObserver | None, dtype: torch.dtype = torch.float32, tensor_parallel: int = 1,
+                 threads: int | None = None) -> ServingEngine:
     """The engine under the APIs: phalanx's own (torch), llama.cpp on a GGUF export or vLLM on an HF export."""
     if kind == "torch":
-        from phalanx.serve.engine import Engine
+        from phalanx.serve.engines.torch_engine import Engine
 
         return Engine(served.loaded.model, served.loaded.tokenizer, slots=slots, max_queue=max_queue,
                       context=context, observer=observer)
@@ -66,7 +72,7 @@ def build_engine(kind: str, served, slots: int, max_queue: int, context: int | N
         if served.loaded.format != "gguf":
             raise PhalanxError(f"--engine llamacpp serves a GGUF export, and {served.source} is not one; write one "
                                f"with: phalanx export {served.source} --format gguf --out DIR (--dtype f16, q8_0, ...)")
-        from phalanx.serve.llamacpp_engine import LlamaCppEngine
+        from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine
 
         return LlamaCppEngine(served.loaded.checkpoint, served.loaded.tokenizer, slots=slots, max_queue=max_queue,
                               context=context, threads=torch.get_num_threads(), observer=observer)
@@ -74,7 +80,7 @@ def build_engine(kind: str, served, slots: int, max_queue: int, context: int | N
         if served.loaded.format != "safetensors":
             raise PhalanxError(f"--engine vllm serves a Hugging Face export, and {served.source} is not one; write "
                                f"one with: phalanx export {served.source} --format hf --out DIR")
-        from phalanx.serve.vllm_engine import VllmEngine
+        from phalanx.serve.engines.vllm_engine import VllmEngine
 
         return VllmEngine(served.loaded.checkpoint, served.loaded.tokenizer, dtype, slots=slots, max_queue=max_queue,
                           context=context, tensor_parallel=tensor_parallel, threads=threads, observer=observer)
@@ -87,9 +93,9 @@ def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str
           quantize: str = "none", tensor_parallel: int = 1) -> None:
     import uvicorn
 
-    from phalanx.serve.app import create_app
-    from phalanx.serve.metrics import ServeMetrics
-    from phalanx.serve.served import load_served_model
+    from phalanx.serve.http.app import create_app
+    from phalanx.serve.http.metrics import ServeMetrics
+    from phalanx.serve.core.served import load_served_model
 
     check_listen(host, api_key)
     if engine_kind not in ENGINES:
@@ -107,7 +113,7 @@ def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str
     # vLLM loads the export onto its devices itself; phalanx's copy (for /api/show and embeddings) stays on the CPU.
     served = load_served_model(path, "cpu" if engine_kind == "vllm" else torch_device, torch_dtype, name=model_name)
     if quantize == "int8":
-        from phalanx.serve.int8_weights import quantize_linear_weights
+        from phalanx.serve.engines.int8_weights import quantize_linear_weights
 
         quantize_linear_weights(served.loaded.model)
     max_seq_len = served.loaded.model.args.max_seq_len

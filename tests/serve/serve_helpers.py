@@ -83,10 +83,10 @@ class InProcessServer:
                  name: str | None = MODEL, **app_options):
         import uvicorn
 
-        from phalanx.serve.app import create_app
-        from phalanx.serve.engine import Engine
-        from phalanx.serve.metrics import ServeMetrics
-        from phalanx.serve.served import load_served_model
+        from phalanx.serve.http.app import create_app
+        from phalanx.serve.engines.torch_engine import Engine
+        from phalanx.serve.http.metrics import ServeMetrics
+        from phalanx.serve.core.served import load_served_model
         from phalanx.serve.server import bind
 
         self.served = load_served_model(path, name=name)

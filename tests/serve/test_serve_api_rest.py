@@ -15,8 +15,8 @@ import openai
 import pytest
 from serve_helpers import MODEL, InProcessServer
 
-from phalanx.serve.http_common import ApiError
-from phalanx.serve.keep_alive import parse_keep_alive
+from phalanx.serve.http.common import ApiError
+from phalanx.serve.http.keep_alive import parse_keep_alive
 
 GREEDY = {"temperature": 0, "num_predict": 12, "presence_penalty": 1.0, "repeat_penalty": 1.0}
 

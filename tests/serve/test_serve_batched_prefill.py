@@ -1,4 +1,4 @@
-"""Batched prefill (serve/prefill.py): the prompts joining at one step boundary go through the model in one
+"""Batched prefill (serve/engines/prefill.py): the prompts joining at one step boundary go through the model in one
 pass, and each still gets exactly the bits of its prefill alone: the same last-token logits and the same
 cached keys and values as the model's own forward gives it, so the same greedy tokens (and the same
 log-probabilities, compared exactly) alone and prefilled beside others of other lengths. Their first
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from phalanx.models.llama import KVCache, ModelArgs, Transformer
-from phalanx.serve.engine import Engine
-from phalanx.serve.options import SamplingOptions
-from phalanx.serve.prefill import prefill_rows_agree, prefill_together
-from phalanx.serve.row_invariant import RowInvariantLinear, make_rows_invariant
+from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.engines.prefill import prefill_rows_agree, prefill_together
+from phalanx.serve.engines.row_invariant import RowInvariantLinear, make_rows_invariant
 
 # ffn 1152: w2's reduction is cut in two chunks of at most 1024 (row_invariant.py), so the chunked path runs.
 ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=320,

@@ -9,12 +9,12 @@ import io
 
 import pytest
 
-from phalanx.serve.chat import ReplyWriter
-from phalanx.serve.chat_backends import InvalidParameters, check_parameters
-from phalanx.serve.chat_commands import BYE, COMPLETIONS, PARAMETERS, Conversation, run_command
-from phalanx.serve.chat_input import PipedLines, read_message
-from phalanx.serve.ollama_ignored import IgnoredOllamaOptions
-from phalanx.serve.ollama_schema import OllamaOptions
+from phalanx.serve.cli.chat import ReplyWriter
+from phalanx.serve.cli.chat_backends import InvalidParameters, check_parameters
+from phalanx.serve.cli.chat_commands import BYE, COMPLETIONS, PARAMETERS, Conversation, run_command
+from phalanx.serve.cli.chat_input import PipedLines, read_message
+from phalanx.serve.http.ollama.ignored import IgnoredOllamaOptions
+from phalanx.serve.http.ollama.schema import OllamaOptions
 
 
 def command(line: str, conversation: Conversation | None = None) -> str:

@@ -1,4 +1,4 @@
-"""Chunked prefill (engine.py, prefill.py): a prompt longer than the engine's prefill_chunk is prefilled a
+"""Chunked prefill (serve/engines/torch_engine.py, prefill.py): a prompt longer than the engine's prefill_chunk is prefilled a
 chunk per step boundary, the running requests decoding between its chunks, and its first token comes after
 its last chunk. Its chunks are cut from its length alone, so it gets the same greedy tokens and the same
 log-probabilities (compared exactly) alone as beside requests that decode, join and leave meanwhile; and
@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from phalanx.models.llama import KVCache, ModelArgs, Transformer
-from phalanx.serve.engine import Engine, QueueFull
-from phalanx.serve.options import SamplingOptions
-from phalanx.serve.prefill import chunk_plan, prefill_chunk
-from phalanx.serve.structured_output import schema_grammar
+from phalanx.serve.core.contract import QueueFull
+from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.engines.prefill import chunk_plan, prefill_chunk
+from phalanx.serve.core.structured_output import schema_grammar
 
 ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=320,
                  rope_theta=10000.0)

@@ -1,5 +1,5 @@
 """Serving dtypes on CPU: bfloat16 by default where the CPU has bf16 matrix units (server.pick_device), and
-weight-only int8 (phalanx/serve/int8_weights.py, `phalanx serve --quantize int8`), whose layer is close to
+weight-only int8 (phalanx/serve/engines/int8_weights.py, `phalanx serve --quantize int8`), whose layer is close to
 its bf16 original and gives each row the same bits at every batch width. In both, a model's greedy
 tokens are the same alone and in a busy batch; the real CLI serves with int8 and refuses what it cannot
 do with one line."""
@@ -17,9 +17,9 @@ import torch
 from serve_helpers import wait_healthy
 
 from phalanx.models.llama import KVCache, ModelArgs, Transformer
-from phalanx.serve.engine import Engine
-from phalanx.serve.int8_weights import Int8WeightLinear, quantize_linear_weights
-from phalanx.serve.options import SamplingOptions
+from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.engines.int8_weights import Int8WeightLinear, quantize_linear_weights
+from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.server import cpu_has_bf16_units, pick_device
 from tests.helpers import phalanx
 
@@ -65,7 +65,7 @@ def test_a_server_defaults_to_bfloat16_where_the_cpu_has_bf16_units():
 
 def test_a_float32_cache_holds_a_bf16_models_keys_and_values_exactly(tokenizer):
     """The engine keeps a bf16 model's KV cache in float32 on CPU (its decode attention runs in float32,
-    engine.py): prefill and batched decode over it give the very bits they give over a bf16 cache."""
+    serve/engines/torch_engine.py): prefill and batched decode over it give the very bits they give over a bf16 cache."""
     torch.manual_seed(0)
     model = Transformer(ARGS).to(torch.bfloat16).eval()
     seqs = [torch.randint(0, ARGS.vocab_size, (n + 1,)) for n in (9, 30, 1)]

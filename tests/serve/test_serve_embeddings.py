@@ -21,7 +21,7 @@ TEXTS = ["ROMEO: But soft, what light", "JULIET: O Romeo, Romeo", "KING:"]
 @pytest.fixture(scope="module")
 def reference(served_run):
     """The definition, computed here on the same checkpoint, one input at a time."""
-    from phalanx.serve.served import load_served_model
+    from phalanx.serve.core.served import load_served_model
 
     served = load_served_model(served_run)
 
@@ -151,7 +151,7 @@ def test_embeddings_leave_concurrent_generation_alone(server, oll):
 def test_the_embedding_thread_yields_the_cpu_to_decoding(reference):
     import os
 
-    from phalanx.serve.embeddings import EMBED_NICENESS, Embedder
+    from phalanx.serve.core.embeddings import EMBED_NICENESS, Embedder
 
     served, _ = reference
     embedder = Embedder(served.loaded.model, 0)

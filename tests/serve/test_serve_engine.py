@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from phalanx.models.llama import KVCache, ModelArgs, Transformer
-from phalanx.serve.engine import Engine, PromptTooLong, QueueFull
-from phalanx.serve.options import InvalidOptions, SamplingOptions
+from phalanx.serve.core.contract import PromptTooLong, QueueFull
+from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.core.options import InvalidOptions, SamplingOptions
 
 # Random weights: every context gives its own argmax, so any bit a neighbour changed would show.
 ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=192, vocab_size=512, max_seq_len=160,

@@ -21,8 +21,8 @@ from serve_helpers import API_KEY, MODEL, InProcessServer
 
 from phalanx.http_auth import FailedAuthLimiter, bearer_token, client_key
 from phalanx.models.llama import ModelArgs, Transformer
-from phalanx.serve.engine import Engine
-from phalanx.serve.options import InvalidOptions, SamplingOptions
+from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.core.options import InvalidOptions, SamplingOptions
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": False,
         "options": {"num_predict": 3}}
@@ -137,7 +137,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone_in_a_busy_batch(engine):
 
 def test_both_draws_refuse_a_broken_distribution_and_agree_on_a_good_one():
     """The CPU draw and the one a GPU takes (checked on the device, no extra sync) are the same draw."""
-    from phalanx.serve.sampler import RequestSampler, SamplingError
+    from phalanx.serve.core.sampler import RequestSampler, SamplingError
 
     def sampler() -> RequestSampler:
         return RequestSampler(SamplingOptions(temperature=1.0, seed=3), [], 64, torch.device("cpu"))

@@ -15,7 +15,7 @@ import time
 import pytest
 from serve_helpers import MODEL
 
-from phalanx.serve.schema_compiler import ClientGone, FormatError, SchemaCompiler
+from phalanx.serve.core.schema_compiler import ClientGone, FormatError, SchemaCompiler
 
 
 def ref_chain(n: int, depth: int = 0, root: str = "#") -> dict:

@@ -22,9 +22,10 @@ import torch
 from phalanx.export.gguf_export import write_gguf
 from phalanx.models.llama import Transformer
 from phalanx.run.model_loader import LoadedModel, load_model
-from phalanx.serve.engine import Engine, PromptTooLong, QueueFull
-from phalanx.serve.llamacpp_engine import LlamaCppEngine
-from phalanx.serve.options import SamplingOptions
+from phalanx.serve.core.contract import PromptTooLong, QueueFull
+from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine
+from phalanx.serve.core.options import SamplingOptions
 
 pytestmark = pytest.mark.slow  # needs llama-cpp-python (the whole suite's install)
 
@@ -358,9 +359,9 @@ def test_drop_in_under_the_real_app(models):
     import uvicorn
     from serve_helpers import wait_healthy
 
-    from phalanx.serve.app import create_app
-    from phalanx.serve.metrics import ServeMetrics
-    from phalanx.serve.served import load_served_model
+    from phalanx.serve.http.app import create_app
+    from phalanx.serve.http.metrics import ServeMetrics
+    from phalanx.serve.core.served import load_served_model
     from phalanx.serve.server import bind
 
     served = load_served_model(models["random"].gguf, name="tiny")

@@ -1,4 +1,4 @@
-"""Decode steps sized to the running requests (engine.py: bucketed widths and spans, rows kept packed) never
+"""Decode steps sized to the running requests (serve/engines/torch_engine.py: bucketed widths and spans, rows kept packed) never
 change a request's output: one request on a 16-slot server gets exactly what a 1-slot server gives it, and
 requests joining and leaving mid-decode (widths changing, rows moved down) change no other request's
 tokens or log-probabilities. Log-probabilities are compared exactly, so a single bit a neighbour changed
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from phalanx.models.llama import ModelArgs
-from phalanx.serve.engine import Engine, step_span, step_width
-from phalanx.serve.options import SamplingOptions
-from phalanx.serve.row_invariant import RowInvariantLinear, rows_agree
+from phalanx.serve.engines.torch_engine import Engine, step_span, step_width
+from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.engines.row_invariant import RowInvariantLinear, rows_agree
 
 ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=160,
                  rope_theta=10000.0)  # ffn 1152: w2's reduction is cut in two chunks (row_invariant.py)

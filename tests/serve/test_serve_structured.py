@@ -119,7 +119,7 @@ def test_the_grammar_alone_decides_greedy_json(http):
 # ---- the pieces, without HTTP ----
 
 def test_format_fields_map_to_schemas():
-    from phalanx.serve.structured_output import (ANY_JSON_OBJECT, FormatError, ollama_format_schema,
+    from phalanx.serve.core.structured_output import (ANY_JSON_OBJECT, FormatError, ollama_format_schema,
                                                  openai_format_schema, schema_grammar)
 
     assert ollama_format_schema("") is None and ollama_format_schema(None) is None
@@ -134,10 +134,10 @@ def test_format_fields_map_to_schemas():
 
 def test_engine_ends_a_complete_value_without_spending_a_token(served_run):
     """Once the grammar allows only end-of-text the request stops: every token taken is part of the JSON."""
-    from phalanx.serve.engine import Engine
-    from phalanx.serve.options import SamplingOptions
-    from phalanx.serve.served import load_served_model
-    from phalanx.serve.structured_output import schema_grammar
+    from phalanx.serve.engines.torch_engine import Engine
+    from phalanx.serve.core.options import SamplingOptions
+    from phalanx.serve.core.served import load_served_model
+    from phalanx.serve.core.structured_output import schema_grammar
 
     served = load_served_model(served_run)
     engine = Engine(served.loaded.model, served.loaded.tokenizer, slots=2, max_queue=2)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.serve.options import SamplingOptions
-from phalanx.serve.sampler import RequestSampler
-from phalanx.serve.text_stream import IncrementalText, StopMatcher
+from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.core.sampler import RequestSampler
+from phalanx.serve.core.text_stream import IncrementalText, StopMatcher
 
 MULTIBYTE = "ROMEO: café, naïve — 日本語の詩 🎭🗡️ and Ω≈ç√ at last."
 

@@ -11,7 +11,7 @@ import pytest
 from serve_helpers import MODEL
 
 from phalanx.data.chat_template import render_chat
-from phalanx.serve.tool_calls import (Tool, ToolCall, ToolError, call_schema, forced_tools, parse_calls, read_tools,
+from phalanx.serve.http.tool_calls import (Tool, ToolCall, ToolError, call_schema, forced_tools, parse_calls, read_tools,
                                       template_messages)
 
 WEATHER = {"type": "function", "function": {

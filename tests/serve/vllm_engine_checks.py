@@ -14,10 +14,11 @@ import time
 import torch
 
 from phalanx.run.model_loader import load_model
-from phalanx.serve.engine import Engine, PromptTooLong
-from phalanx.serve.options import SamplingOptions
-from phalanx.serve.structured_output import FormatError
-from phalanx.serve.vllm_engine import VllmEngine
+from phalanx.serve.core.contract import PromptTooLong
+from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.core.structured_output import FormatError
+from phalanx.serve.engines.vllm_engine import VllmEngine
 
 GENERATE = 24
 

@@ -1,0 +1,146 @@
+"""Batched prefill: the prompts joining at one step boundary go through the model in one forward pass.
+
+The prompts' tokens are laid end to end as the rows of one (1, total, D) sequence, so every linear layer
+(the bulk of the work) runs once over all of them, while attention runs per prompt on its own slice of
+the projections, against its own cache row only: a prompt never attends to another's tokens. Each
+prompt's bits are those of its prefill alone because
+  - the linear layers are row-invariant (row_invariant.py: oneDNN on packed weights): a row's output does
+    not depend on how many rows the product has or where it sits; prefill_rows_agree checks that on this
+    CPU at start-up for products as tall as a batched prefill makes them, not only decode's 16 rows;
+  - RMSNorm, RoPE and the residual adds are per row (the RoPE tables are gathered per token position);
+  - each prompt's attention is the very SDPA call its prefill alone makes (shape (1, H, T, E), causal,
+    the same strides), on the same bits;
+  - only each prompt's last row goes through the final norm and the output layer, whose rows are again
+    independent of the number of rows.
+The steps mirror TransformerBlock and Attention.forward (models/llama.py) for a cache starting at
+position 0; tests/serve/test_serve_batched_prefill.py proves them bit-identical to the model's own
+forward.
+
+Chunked prefill: a prompt longer than PREFILL_CHUNK_TOKENS is prefilled chunk by chunk (prefill_chunk),
+one chunk per step boundary, so the running requests decode between its chunks and shorter prompts join
+beside it. Its chunks are cut from its length alone (chunk_plan), never from what else runs, and each
+chunk pass holds that one prompt only, so its bits are the same alone and in a busy server.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.models.llama import (
+    Attention,
+    KVCache,
+    Transformer,
+    rope_dtype,
+    rope_rotation,
+    rotate,
+)
+from phalanx.serve.engines.row_invariant import RowInvariantLinear
+
+# Prompt tokens one step boundary prefills together at most (torch_engine.py's prefill_budget; a longer prompt
+# still joins, alone); the rest join at the next boundaries, a decode step between each. On a CPU a
+# prefill is compute-bound from a few dozen rows on, so a long pass buys little and costs much: measured
+# here (the 88M `125m` shape, fp32, one thread, 55-token prompts) a pass made ~520 tokens/s over one
+# prompt, ~630 over two, ~700 over 4, 8 or 16 (and ~500 over 2 x 1024: attention grows with length). One
+# pass of 16 prompts would hold every first token back until the last prompt's is ready, and stall the
+# running decodes as long; passes of about four such prompts keep nearly the whole gain, hand first
+# tokens out a quarter of the way in, and stall decodes for a fraction of a second.
+MAX_PREFILL_TOKENS = 256
+
+# A prompt longer than this is prefilled in chunks of this many tokens, one per step boundary (torch_engine.py's
+# prefill_chunk). Measured here (the 88M `125m` shape, fp32, one thread, a 1,500-token prompt alone, 3
+# alternating rounds on a shared machine; BENCHMARKS.md "Chunked prefill"): in one pass 2.8-3.0 s; in
+# chunks of 512 2.8-3.0 s (longest pass 1.0-1.1 s), 256 2.8-3.2 s (0.5-0.6 s), 128 3.0-3.5 s (0.3 s), 64
+# 3.5-3.8 s (0.2 s). A pass is compute-bound from a few dozen rows on, so 256 costs about what one pass
+# does while a running stream waits one chunk (half a second) rather than the whole prompt; smaller
+# chunks shorten that wait but pay 10-25% more in all. 256 is also the boundary's budget for short
+# prompts, so a chunk pass is never taller than a batched one.
+PREFILL_CHUNK_TOKENS = 256
+
+
+def prefill_rows_agree(model: Transformer, rows: int = 320) -> bool:
+    """Whether every linear shape of a block gives each row the same bits in a product of many rows (a
+    batched prefill's) as in shorter ones of other lengths and offsets. Measured on this CPU (torch 2.13):
+    fp32 holds at every height tried up to 2048; bf16 does not (rows in the tail block of a tall product
+    change), so there the engine prefills one prompt at a time. 320 rows: above MAX_PREFILL_TOKENS, the
+    tallest pass of more than one prompt (a longer prompt goes alone, the same product alone or not)."""
+    block = model.layers[0]
+    linears = [*block.attention.children(), *block.feed_forward.children()]
+    if not all(isinstance(linear, RowInvariantLinear) for linear in linears):
+        return False  # a layer of another kind (torch's own, int8 weights): nothing here proves its rows
+    generator = torch.Generator().manual_seed(0)
+    seen: set = set()
+    for linear in linears:
+        if linear.weight.shape in seen:
+            continue
+        seen.add(linear.weight.shape)
+        x_1MK = torch.randn(1, rows, linear.in_features, generator=generator).to(linear.weight.dtype)
+        full = linear(x_1MK)
+        if not all(torch.equal(linear(x_1MK[:, a:a + m]), full[:, a:a + m]) for a, m in _SLICES):
+            return False
+    return True
+
+
+_SLICES = ((0, 1), (3, 17), (0, 33), (5, 100), (60, 257))  # (offset, rows): short, odd and tall products
+
+
+def prefill_together(model: Transformer, prompts: list[list[int]], cache: KVCache, rows: list[int]) -> torch.Tensor:
+    """Prefill prompts[i] into cache row rows[i] from position 0, all in one pass; the logits (n, V) of
+    each prompt's last token."""
+    device = model.tok_embeddings.weight.device
+    lengths = [len(p) for p in prompts]
+    tokens_1T = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=device)
+    positions_T = torch.cat([torch.arange(n, device=device) for n in lengths])
+    x_1TD = model.tok_embeddings(tokens_1T)
+    rope = rope_rotation(model.rope_cos[positions_T], model.rope_sin[positions_T], rope_dtype(x_1TD))
+    for i, block in enumerate(model.layers):
+        h_1TD = x_1TD + _attend_each(block.attention, block.attention_norm(x_1TD), rope, lengths, cache.k[i],
+                                     cache.v[i], rows)
+        x_1TD = h_1TD + block.feed_forward(block.ffn_norm(h_1TD))
+    last = torch.tensor(lengths, device=device).cumsum(0) - 1
+    return model.output(model.norm(x_1TD[:, last]))[0]
+
+
+def _attend_each(attention: Attention, x_1TD, rope, lengths, cache_k, cache_v, rows):
+    """Attention.forward for each prompt alone (start_pos 0), on one projection of all of them."""
+    T, E = x_1TD.shape[1], attention.head_dim
+    q_1HTE = attention.wq(x_1TD).view(1, T, -1, E).transpose(1, 2)
+    k_1KTE = attention.wk(x_1TD).view(1, T, -1, E).transpose(1, 2)
+    v_1KTE = attention.wv(x_1TD).view(1, T, -1, E).transpose(1, 2)
+    q_1HTE, k_1KTE = rotate(q_1HTE, *rope), rotate(k_1KTE, *rope)
+    outs, start = [], 0
+    for n, row in zip(lengths, rows):
+        end = start + n
+        keys, values = cache_k[row:row + 1], cache_v[row:row + 1]
+        keys[:, :, :n] = k_1KTE[:, :, start:end]
+        values[:, :, :n] = v_1KTE[:, :, start:end]
+        # is_causal only where there is a triangle: a one-token prompt's lone query sees its one key, as
+        # the model's forward does it (T == 1: not causal).
+        # A server's float32 cache holds a bf16 model's keys exactly (torch_engine.py): cast them back.
+        dtype = q_1HTE.dtype
+        outs.append(F.scaled_dot_product_attention(q_1HTE[:, :, start:end], keys[:, :, :n].to(dtype),
+                                                   values[:, :, :n].to(dtype), is_causal=n > 1, enable_gqa=True))
+        start = end
+    return attention.wo(torch.cat(outs, dim=2).transpose(1, 2).reshape(1, T, -1))
+
+
+def chunk_plan(length: int, size: int) -> list[tuple[int, int]]:
+    """The (start, end) positions of a prompt's chunks: `size` tokens each from position 0, the last one
+    what is left. A function of the prompt's length alone, so the prompt's passes are the same whatever
+    else the server runs."""
+    return [(start, min(start + size, length)) for start in range(0, length, size)]
+
+
+def prefill_chunk(model: Transformer, chunk: list[int], cache: KVCache, start: int) -> torch.Tensor:
+    """Prefill one chunk of a prompt, the tokens at positions start.., into `cache` (one row) after the
+    prompt's earlier chunks there; the logits (V,) of the chunk's last token (the prompt's next-token
+    logits when it is the last chunk). The model's own blocks: a chunk's queries attend causally over the
+    cached positions before it and itself (Attention.forward's start_pos mask). Only the last row goes
+    through the final norm and the output layer: the other rows' logits are never used."""
+    device = model.tok_embeddings.weight.device
+    end = start + len(chunk)
+    x_1TD = model.tok_embeddings(torch.tensor([chunk], dtype=torch.long, device=device))
+    rope = rope_rotation(model.rope_cos[start:end], model.rope_sin[start:end], rope_dtype(x_1TD))
+    for i, block in enumerate(model.layers):
+        x_1TD = block(x_1TD, *rope, cache.layer(i), start)
+    return model.output(model.norm(x_1TD[:, -1:]))[0, -1]

@@ -1,0 +1,101 @@
+"""Linear layers whose every output row is the same bits however many rows the batch holds (CPU).
+
+The engine decodes only as many rows as there are requests (torch_engine.py: bucketed widths), so a request's
+row passes through matmuls of 1, 2, 4, ... rows in its life. Torch's default fp32 CPU matmul (MKL) is not
+row-invariant: measured on this machine (torch 2.13), row 0 of an (M, K) x (K, N) product differs in its
+last bits between M = 1 and M = 2..16 for every shape tried, so greedy tokens could change with the
+number of neighbours. oneDNN's matmul on a weight packed once (the path torch.compile's CPU backend takes)
+gives every row identical bits for any M, fp32 and bf16, as long as the reduction K is at most 1024 (above
+that it blocks K differently per M); so K is cut into equal chunks of at most 1024, each a packed
+product, summed in a fixed order (element-wise, so row-invariant). At M = 16 it also ran 1.2-1.6x faster
+than MKL here, and as fast at M = 1.
+
+The packed copy is taken once, when the engine starts: serving never changes weights. It doubles the
+memory of the linear weights (the plain ones stay: other readers of the model use them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_CHUNK = 1024  # the longest reduction oneDNN kept row-invariant (1152 and above were not)
+_packed_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # None on a build without oneDNN
+
+
+def row_invariant_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _packed_linear is not None
+            and torch.backends.mkldnn.is_available())
+
+
+class RowInvariantLinear(nn.Module):
+    """y = x W^T (+ b) with each row of y independent of the other rows of x, bit for bit. Holds the
+    original Parameter (the same object: tied weights stay tied, state_dict keys stay the same)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            chunks = -(-self.in_features // MAX_CHUNK)
+            size = -(-self.in_features // chunks)
+            self._sizes = [p.shape[1] for p in self.weight.detach().split(size, dim=1)]
+            # Packed for up to 16 rows; any row count reads the same layout (a hint of 1 gave other bits
+            # to rows 2..16 than to a lone row, so that hint is not used).
+            self._packed = [torch.ops.mkldnn._reorder_linear_weight(p.contiguous(), 16)
+                            for p in self.weight.detach().split(size, dim=1)]
+        self._dtype = self.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is not self._dtype or x.device.type != "cpu":  # cast or moved since: the plain path
+            return F.linear(x, self.weight, self.bias)
+        if len(self._packed) == 1:  # the common case, kept to one call: at one row the overhead shows
+            out = _packed_linear(x, self._packed[0], None, "none", [], "")
+        else:
+            out = None
+            for part, packed in zip(x.split(self._sizes, dim=-1), self._packed):
+                y = _packed_linear(part.contiguous(), packed, None, "none", [], "")
+                out = y if out is None else out + y
+        return out if self.bias is None else out + self.bias
+
+
+def make_rows_invariant(model: nn.Module) -> bool:
+    """Swap every nn.Linear in `model` for a RowInvariantLinear, in place (again on the same model: a
+    no-op). False, changing nothing, where oneDNN cannot (not a CPU, or another dtype)."""
+    weight = next(model.parameters())
+    if not row_invariant_available(weight.device, weight.dtype):
+        return False
+    swapped: list[tuple[nn.Module, str, nn.Linear]] = []
+    try:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, RowInvariantLinear(child))
+                    swapped.append((parent, name, child))
+        invariant = all(rows_agree(getattr(parent, name)) for parent, name, _ in _one_per_shape(swapped))
+    except RuntimeError:  # a shape or build oneDNN refuses
+        invariant = False
+    if not invariant:  # measured, not promised by oneDNN: on a CPU where it does not hold, the old layers
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+    return invariant
+
+
+def _one_per_shape(swapped: list[tuple[nn.Module, str, nn.Linear]]) -> list[tuple[nn.Module, str, nn.Linear]]:
+    seen, out = set(), []
+    for parent, name, child in swapped:
+        if child.weight.shape not in seen:
+            seen.add(child.weight.shape)
+            out.append((parent, name, child))
+    return out
+
+
+def rows_agree(linear: RowInvariantLinear, rows: int = 16) -> bool:
+    """Whether this CPU gives each row the same bits at every batch width the engine uses (1, 2, 4 ... 16)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, linear.in_features, generator=generator).to(linear._dtype)
+    with torch.no_grad():
+        full = linear(x)
+        return all(torch.equal(linear(x[:width]), full[:width]) for width in (1, 2, 4, 8))
