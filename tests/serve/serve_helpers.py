@@ -35,8 +35,8 @@ class LiveServer:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120)
+    def client(self, timeout: float = 120) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: Path | None = None,

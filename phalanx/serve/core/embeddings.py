@@ -9,7 +9,12 @@ The model is shared with the decode engine, whose thread is the only one that ru
 embedding request does not join those steps (they are shaped for decoding); it runs on one worker thread
 of its own, in inference mode, in forwards of at most MAX_BATCH_TOKENS padded tokens, at a lower CPU
 priority than the decode thread. A forward only reads the weights, so the two threads never see each
-other's work; they share the CPU, and a long batch is cut into pieces.
+other's work; they share the CPU.
+
+Requests take turns on that thread, one forward each (round robin), so a request of 2,048 long inputs
+delays a one-word request by one forward, not by all of its own. At most MAX_WAITING requests are in
+line (beyond: EmbeddingQueueFull, HTTP 503), and a request whose client has gone is dropped at its next
+turn, so abandoned work does not hold up the requests behind it.
 """
 
 from __future__ import annotations
@@ -17,16 +22,29 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from phalanx.models.llama import Transformer
 
-MAX_BATCH_TOKENS = 512  # padded tokens per forward: bounds memory and how long one piece holds the cores
+MAX_BATCH_TOKENS = 512  # padded tokens per forward: bounds memory and how long one turn holds the cores
 MAX_INPUTS = 2048  # inputs per request, as OpenAI's embeddings endpoint allows
+MAX_WAITING = 32  # embedding requests in line at once (running or waiting for their turn)
 EMBED_NICENESS = 10  # how much lower than the decode thread the embedding thread runs
+DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
+
+
+class EmbeddingQueueFull(Exception):
+    """MAX_WAITING requests are already in line (HTTP 503)."""
+
+
+class ClientLeft(Exception):
+    """The client went away before its embeddings were done; the work was dropped."""
 
 
 class InputTooLong(ValueError):
@@ -43,37 +61,38 @@ def fit_to_context(ids: list[int], context: int, truncate: bool) -> list[int]:
     return ids[:context]
 
 
-def pooled_embeddings(model: Transformer, inputs: list[list[int]], bos_id: int,
-                      max_batch_tokens: int = MAX_BATCH_TOKENS) -> list[list[float]]:
-    """One unit vector per input (lists of token ids, each starting with BOS), in the inputs' order.
-    Inputs of similar length share a forward, right-padded (causal attention: the padding changes no
-    real position's state)."""
+def plan_batches(inputs: list[list[int]], max_batch_tokens: int = MAX_BATCH_TOKENS) -> list[list[int]]:
+    """The inputs' indices in forwards of at most max_batch_tokens padded tokens (one input alone may be
+    longer). Sorted by length, so inputs of similar length share a forward and little is padding."""
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-    out: list[list[float]] = [[] for _ in inputs]
+    batches, at = [], 0
+    while at < len(order):
+        batch = [order[at]]
+        # Sorted by length, so the last one added is the longest so far.
+        while at + len(batch) < len(order) and \
+                (len(batch) + 1) * len(inputs[order[at + len(batch)]]) <= max_batch_tokens:
+            batch.append(order[at + len(batch)])
+        batches.append(batch)
+        at += len(batch)
+    return batches
+
+
+def embed_batch(model: Transformer, inputs: list[list[int]], batch: list[int], bos_id: int) -> list[list[float]]:
+    """One forward: the unit vectors of inputs[i] for i in batch, right-padded to the longest (causal
+    attention: the padding changes no real position's state)."""
     device = model.tok_embeddings.weight.device
+    longest = max(len(inputs[i]) for i in batch)
+    tokens_BT = torch.zeros(len(batch), longest, dtype=torch.long, device=device)
+    mask_BT = torch.zeros(len(batch), longest, dtype=torch.float32, device=device)
+    for row, i in enumerate(batch):
+        ids = inputs[i]
+        tokens_BT[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        first = 1 if len(ids) > 1 and ids[0] == bos_id else 0  # BOS is context, not content
+        mask_BT[row, first:len(ids)] = 1.0
     with torch.inference_mode():
-        at = 0
-        while at < len(order):
-            batch = [order[at]]
-            # Sorted by length, so the last one added is the longest so far.
-            while at + len(batch) < len(order) and \
-                    (len(batch) + 1) * len(inputs[order[at + len(batch)]]) <= max_batch_tokens:
-                batch.append(order[at + len(batch)])
-            longest = len(inputs[batch[-1]])
-            tokens_BT = torch.zeros(len(batch), longest, dtype=torch.long, device=device)
-            mask_BT = torch.zeros(len(batch), longest, dtype=torch.float32, device=device)
-            for row, i in enumerate(batch):
-                ids = inputs[i]
-                tokens_BT[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-                first = 1 if len(ids) > 1 and ids[0] == bos_id else 0  # BOS is context, not content
-                mask_BT[row, first:len(ids)] = 1.0
-            hidden_BTD = model.hidden_states(tokens_BT).float()
-            mean_BD = (hidden_BTD * mask_BT[..., None]).sum(1) / mask_BT.sum(1, keepdim=True)
-            unit_BD = F.normalize(mean_BD, dim=-1)
-            for row, i in enumerate(batch):
-                out[i] = unit_BD[row].tolist()
-            at += len(batch)
-    return out
+        hidden_BTD = model.hidden_states(tokens_BT).float()
+        mean_BD = (hidden_BTD * mask_BT[..., None]).sum(1) / mask_BT.sum(1, keepdim=True)
+        return F.normalize(mean_BD, dim=-1).tolist()
 
 
 def _yield_to_decoding() -> None:
@@ -86,23 +105,102 @@ def _yield_to_decoding() -> None:
         pass
 
 
-class Embedder:
-    """Runs pooled_embeddings on its own worker thread, one request's batch after another."""
+@dataclass
+class _Job:
+    inputs: list[list[int]]
+    batches: deque[list[int]]  # the forwards still to run
+    out: list[list[float]]
+    done: Future = field(default_factory=Future)
+    cancelled: bool = False
 
-    def __init__(self, model: Transformer, bos_id: int):
-        self.model, self.bos_id = model, bos_id
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-embed",
-                                          initializer=_yield_to_decoding)
+
+class Embedder:
+    """Runs the embedding requests on one worker thread of lower priority, a forward of each in turn."""
+
+    def __init__(self, model: Transformer, bos_id: int, max_waiting: int = MAX_WAITING,
+                 poll_seconds: float = DISCONNECT_POLL_SECONDS):
+        self.model, self.bos_id, self.max_waiting, self.poll_seconds = model, bos_id, max_waiting, poll_seconds
+        self.forwards = 0  # forwards run so far (a dropped request's are not run)
+        self._jobs: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="phalanx-embed", daemon=True)
+        self._thread.start()
 
     @property
     def dimensions(self) -> int:
         return self.model.args.dim
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+    @property
+    def waiting(self) -> int:
+        return len(self._jobs)
+
+    async def embed(self, inputs: list[list[int]],
+                    client_gone: Callable[[], Awaitable[bool]] | None = None) -> list[list[float]]:
+        """The inputs' unit vectors, in order. EmbeddingQueueFull at once when the line is full;
+        ClientLeft (and the work dropped) when client_gone() says the client has left before the end."""
         if not inputs:
             return []
-        return await asyncio.get_running_loop().run_in_executor(
-            self._worker, pooled_embeddings, self.model, inputs, self.bos_id)
+        job = _Job(inputs, deque(plan_batches(inputs)), [[] for _ in inputs])
+        with self._cond:
+            if len(self._jobs) >= self.max_waiting:
+                raise EmbeddingQueueFull(f"{len(self._jobs)} embedding requests are already waiting (the most "
+                                         "this server holds); try again later")
+            self._jobs.append(job)
+            self._cond.notify()
+        result = asyncio.wrap_future(job.done)
+        try:
+            while True:
+                finished, _ = await asyncio.wait({result}, timeout=self.poll_seconds)
+                if finished:
+                    return result.result()
+                if client_gone is not None and await client_gone():
+                    raise ClientLeft()
+        finally:
+            job.cancelled = True  # no-op once done; otherwise the worker drops it at its next turn
 
     def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _work(self) -> None:
+        _yield_to_decoding()
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                job = self._jobs.popleft()
+            if job.cancelled:
+                continue
+            try:
+                batch = job.batches.popleft()
+                for i, vector in zip(batch, embed_batch(self.model, job.inputs, batch, self.bos_id)):
+                    job.out[i] = vector
+                self.forwards += 1
+            except Exception as e:  # this request's forward: it fails alone, the thread goes on
+                _settle(job.done, error=e)
+                continue
+            if not job.batches:
+                _settle(job.done, result=job.out)
+                continue
+            with self._cond:
+                self._jobs.append(job)  # its next forward after every other request's
+        with self._cond:
+            left = list(self._jobs)
+            self._jobs.clear()
+        for job in left:
+            _settle(job.done, error=RuntimeError("the server is shutting down"))
+
+
+def _settle(done: Future, result: list[list[float]] | None = None, error: Exception | None = None) -> None:
+    """Give a request its result or error, unless its waiter was cancelled meanwhile (nobody listens)."""
+    try:
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+    except InvalidStateError:
+        pass

@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 
-from phalanx.serve.core.embeddings import MAX_INPUTS, Embedder, InputTooLong, fit_to_context
+from phalanx.serve.core.embeddings import (
+    MAX_INPUTS,
+    ClientLeft,
+    Embedder,
+    EmbeddingQueueFull,
+    InputTooLong,
+    fit_to_context,
+)
 from phalanx.serve.http.embeddings.schema import OllamaEmbeddingsRequest, OllamaEmbedRequest, OpenAIEmbeddingRequest
 from phalanx.serve.core.contract import ServingEngine
 from phalanx.serve.http.common import ApiError, parse_body, read_json
@@ -50,9 +57,14 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
         except InputTooLong as e:
             raise ApiError(400, str(e), code="context_length_exceeded", param="input") from None
 
-    async def embed(inputs: list[list[int]], keep_alive: Any) -> tuple[list[list[float]], float]:
+    async def embed(request: Request, inputs: list[list[int]], keep_alive: Any) -> tuple[list[list[float]], float]:
         async with residency.embedding(keep_alive) as load_seconds:
-            return await embedder.embed(inputs), load_seconds
+            try:
+                return await embedder.embed(inputs, request.is_disconnected), load_seconds
+            except EmbeddingQueueFull as e:
+                raise ApiError(503, f"the server is busy: {e}", code="server_busy") from None
+            except ClientLeft:
+                raise ApiError(499, "the client closed the request") from None
 
     def check_ollama_model(name: str) -> None:
         if not served.matches(name):
@@ -66,7 +78,7 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
         check_dimensions(body.dimensions, None)
         inputs = await asyncio.to_thread(text_inputs, body.inputs, body.truncate,  # tokenizing: off the loop
                                          body.options.num_ctx if body.options else None)
-        vectors, load_seconds = await embed(inputs, body.keep_alive)
+        vectors, load_seconds = await embed(request, inputs, body.keep_alive)
         return {"model": body.model, "embeddings": vectors, "total_duration": _ns(time.perf_counter() - arrived),
                 "load_duration": _ns(load_seconds), "prompt_eval_count": sum(len(ids) for ids in inputs)}
 
@@ -77,7 +89,7 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
         if not body.prompt:  # as Ollama answers an empty prompt
             await residency.ready(body.keep_alive)
             return {"embedding": []}
-        vectors, _ = await embed(await asyncio.to_thread(text_inputs, [body.prompt], True), body.keep_alive)
+        vectors, _ = await embed(request, await asyncio.to_thread(text_inputs, [body.prompt], True), body.keep_alive)
         return {"embedding": vectors[0]}
 
     @router.post("/v1/embeddings")
@@ -88,7 +100,7 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
                            code="model_not_found", param="model")
         check_dimensions(body.dimensions, "dimensions")
         inputs = await asyncio.to_thread(openai_inputs, body.input)
-        vectors, _ = await embed(inputs, None)
+        vectors, _ = await embed(request, inputs, None)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
                 for i, v in enumerate(vectors)]
         tokens = sum(len(ids) for ids in inputs)
