@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phalanx.errors import PhalanxError, StoreError
 from phalanx.http_guard import BODY_TIMEOUT_SECONDS, BodyTooLarge, HttpGuard, read_body_within
+from phalanx.http_server import server_config
 from phalanx.listen import bind
 from phalanx.observe import auth
 from phalanx.observe.figures import chart_options
@@ -307,11 +308,12 @@ class SafeJSONResponse(JSONResponse):
             return json.dumps(json_safe(content), separators=(",", ":")).encode()
 
 
-def serve(app: ASGIApp, sock: socket.socket, log_level: str = "warning") -> None:
+def serve(app: ASGIApp, sock: socket.socket, log_level: str = "warning",
+          trusted_proxies: tuple[str, ...] = ()) -> None:
     """Serve `app` with uvicorn on an already bound socket until Ctrl-C."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+    server = uvicorn.Server(server_config(app, log_level, trusted_proxies, access_log=False))
     server.run(sockets=[sock])
 
 
@@ -321,7 +323,7 @@ def running(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> Iterator[st
     import uvicorn
 
     sock = bind(host, port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = uvicorn.Server(server_config(app, "warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="phalanx-dashboard", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

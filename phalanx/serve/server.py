@@ -90,9 +90,10 @@ def build_engine(kind: str, served: ServedModel, slots: int, max_queue: int, con
 def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str | None, slots: int,
           max_queue: int, context: int | None, device: str, dtype: str, threads: int | None = None,
           log_level: str = "info", allowed_hosts: tuple[str, ...] = (), engine_kind: str = "torch",
-          quantize: str = "none", tensor_parallel: int = 1) -> None:
+          quantize: str = "none", tensor_parallel: int = 1, trusted_proxies: tuple[str, ...] = ()) -> None:
     import uvicorn
 
+    from phalanx.http_server import server_config
     from phalanx.serve.http.app import create_app
     from phalanx.serve.http.metrics import ServeMetrics
     from phalanx.serve.core.served import load_served_model
@@ -131,5 +132,5 @@ def serve(path: Path, host: str, port: int, api_key: str | None, model_name: str
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB, queue {max_queue}, {torch.get_num_threads()} threads"
           f"{', API key required' if api_key else ''}", flush=True)
     print(f"phalanx serve: listening on http://{shown}:{bound_port}", flush=True)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    config = server_config(app, log_level, trusted_proxies, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])

@@ -281,8 +281,10 @@ def test_sessions_are_per_app_and_not_derived_from_the_token(store):
 def test_wrong_tokens_are_rate_limited(store):
     with running(create_app(store, token=TOKEN)) as url:
         wrong = {"Authorization": "Bearer wrong-token-wrong-token"}
-        assert [httpx.get(f"{url}/api/runs", headers=wrong).status_code for _ in range(10)] == [401] * 10
-        limited = httpx.get(f"{url}/api/runs", headers=wrong)
+        # A new X-Forwarded-For on every try is still the same client (no proxy is trusted by default).
+        assert [httpx.get(f"{url}/api/runs", headers={**wrong, "X-Forwarded-For": f"198.51.100.{i}"}).status_code
+                for i in range(10)] == [401] * 10
+        limited = httpx.get(f"{url}/api/runs", headers={**wrong, "X-Forwarded-For": "198.51.100.99"})
         assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
         assert httpx.get(f"{url}/api/runs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 429
         assert httpx.post(f"{url}/login", data={"token": TOKEN}).status_code == 429

@@ -83,6 +83,7 @@ class InProcessServer:
                  name: str | None = MODEL, **app_options):
         import uvicorn
 
+        from phalanx.http_server import server_config
         from phalanx.serve.http.app import create_app
         from phalanx.serve.engines.torch_engine import Engine
         from phalanx.serve.http.metrics import ServeMetrics
@@ -96,7 +97,7 @@ class InProcessServer:
         app = create_app(self.served, self.engine, metrics, api_key=api_key, **app_options)
         self.sock = bind("127.0.0.1", 0)
         self.live = LiveServer(f"http://127.0.0.1:{self.sock.getsockname()[1]}", api_key)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.uvicorn = uvicorn.Server(server_config(app, "warning"))  # as `phalanx serve` runs it
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:

@@ -342,9 +342,11 @@ def test_failed_api_keys_are_rate_limited_per_client(served_run):
         wrong = {"Authorization": "Bearer wrong-key-wrong-key"}
         with httpx.Client(base_url=live.url) as client:
             assert client.get("/api/tags").status_code == 401  # no key sent: nothing guessed, not counted
-            statuses = [client.get("/api/tags", headers=wrong).status_code for _ in range(10)]
+            # A new X-Forwarded-For on every try is still the same client (no proxy is trusted by default).
+            statuses = [client.get("/api/tags", headers={**wrong, "X-Forwarded-For": f"198.51.100.{i}"}).status_code
+                        for i in range(10)]
             assert statuses == [401] * 10
-            limited = client.get("/v1/models", headers=wrong)
+            limited = client.get("/v1/models", headers={**wrong, "X-Forwarded-For": "198.51.100.99"})
             assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
             assert limited.json()["error"]["code"] == "rate_limit_exceeded"
             # Even the right key is refused until the bucket refills: the answers tell a guesser nothing.
