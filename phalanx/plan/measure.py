@@ -1,8 +1,8 @@
 """Measure the peak tensor memory of real training steps, to check the planner against (tests, bench).
 
-One rank runs what the trainer runs (phalanx's model, `parallelize()`, `build_optimizer()`, the step of
-`Trainer._step`: forward, float32 cross-entropy, backward, gradient clipping, AdamW, zero_grad) on
-random tokens, and reports the highest number of bytes held by live tensors at any moment.
+One rank runs what the trainer runs (phalanx's model, `parallelize()`, `build_optimizer()`, and the
+trainer's own step, train/step.py: forward, float32 cross-entropy, backward, gradient clipping, AdamW,
+zero_grad) on random tokens, and reports the highest number of bytes held by live tensors at any moment.
 
 Why this measure: the plan predicts tensor memory, which is what a GPU allocator reports as
 `max_memory_allocated`. Process RSS is the wrong yardstick on CPU: it carries hundreds of MB of
@@ -29,17 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from phalanx.config.schema import ModelSection, TrainSection
 from phalanx.models.from_config import model_args
 from phalanx.models.llama import Transformer
-from phalanx.parallel.apply import gradient_sync, parallelize
+from phalanx.parallel.apply import parallelize
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.device import compute_dtype
 from phalanx.parallel.distributed import init_distributed, teardown
 from phalanx.parallel.mesh import Layout, build_mesh
-from phalanx.train.optim import build_optimizer, clip_gradients
+from phalanx.train.optim import build_optimizer
+from phalanx.train.step import train_step
 
 BUILD, STEPS = "phalanx.plan.build", "phalanx.plan.steps"
 
@@ -74,13 +74,16 @@ def measure(preset: str, strategy: str, micro_batch: int, seq_len: int, *, steps
                 optimizer = build_optimizer(model, train)
                 params = [p for p in model.parameters() if p.requires_grad]
             fsdp = env.distributed and (strategy == "fsdp" if tp == 1 else uses_fsdp(layout))
-            autocast_dtype = cdtype if cdtype != torch.float32 and not fsdp else None
+            # As the trainer: under FSDP the mixed-precision policy casts parameters, elsewhere autocast does.
+            autocast = ((lambda: torch.autocast("cpu", dtype=cdtype)) if cdtype != torch.float32 and not fsdp
+                        else contextlib.nullcontext)
             generator = torch.Generator().manual_seed(env.rank)
             with record_function(STEPS):
                 for _ in range(steps):
                     micro_batches = [_random_batch(args.vocab_size, micro_batch, seq_len, generator)
                                      for _ in range(accumulation)]
-                    _train_step(model, optimizer, params, micro_batches, autocast_dtype)
+                    train_step(model, optimizer, params, micro_batches, device=env.device,
+                               grad_clip=train.grad_clip, autocast=autocast)
             del model, optimizer, params, micro_batches
             gc.collect()  # everything built above is freed inside the trace
         peak, unpaired = _peak_live_bytes(prof.profiler.kineto_results)
@@ -94,20 +97,6 @@ def measure(preset: str, strategy: str, micro_batch: int, seq_len: int, *, steps
             "peak_tensor_bytes": peak, "unpaired_bytes": unpaired,
             "rss_delta_bytes": _rss_bytes(peak=True) - rss_base,
             "torch": torch.__version__}
-
-
-def _train_step(model, optimizer, params, micro_batches, autocast_dtype) -> None:
-    """The body of Trainer._step, memory-wise: `logits` stays referenced until the step returns."""
-    autocast = (lambda: torch.autocast("cpu", dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
-    for i, (inputs, targets) in enumerate(micro_batches):
-        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
-            with autocast():
-                logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            (loss / len(micro_batches)).backward()
-    clip_gradients(params, 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def _random_batch(vocab: int, batch: int, seq_len: int, generator: torch.Generator):

@@ -1,4 +1,5 @@
-"""`phalanx bench`: time forward + backward + optimizer steps of a preset on this device, on random tokens."""
+"""`phalanx bench`: time training steps (train/step.py, as `phalanx train` runs them) of a preset on this
+device, on random tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from phalanx.config.schema import ModelSection, TrainSection
 from phalanx.models.flops import achieved_tflops, count_params, flops_per_token, mfu, peak_tflops
@@ -16,7 +16,8 @@ from phalanx.models.llama import Transformer
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib, pick_device
 from phalanx.parallel.distributed import DistEnv
-from phalanx.train.optim import build_optimizer, clip_gradients
+from phalanx.train.optim import build_optimizer
+from phalanx.train.step import train_step
 
 
 def run_bench(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: int, *, device: str = "auto",
@@ -38,12 +39,8 @@ def run_bench(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: i
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     def step() -> None:
-        with torch.autocast(dev.type, dtype=cdtype, enabled=cdtype != torch.float32):
-            logits = model(inputs)
-        F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
-        clip_gradients(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, params, [(inputs, targets)], device=dev, grad_clip=train.grad_clip,
+                   autocast=lambda: torch.autocast(dev.type, dtype=cdtype, enabled=cdtype != torch.float32))
 
     times = []
     for i in range(warmup + steps):

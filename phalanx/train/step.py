@@ -1,0 +1,108 @@
+"""One optimizer step, the same code for `phalanx train`, `phalanx bench` and the planner's memory
+measurement (plan/measure.py), so that what is timed and measured is what trains.
+
+A step: each micro-batch's forward (under the given autocast), the float32 cross-entropy, and its
+backward, scaled by the number of micro-batches, with the gradient all-reduce (DDP) or reduce-scatter
+(FSDP2) only on the last one; or, under pipeline parallelism, the pipeline schedule over the step's whole
+share. Then the gradient norm (clipped to grad_clip when > 0), the optimizer step unless the hooks
+decide otherwise, and zero_grad.
+
+Supervision reaches a step only through StepHooks: a phase name before each part (the trainer's
+heartbeats), the first forward (fault injection), a poisoned loss (fault injection) and the decision to
+apply the update (the trainer's all-reduced loss and its numerics guard). Their defaults do nothing,
+which is what bench and the planner run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.parallel.apply import gradient_sync
+from phalanx.train.optim import clip_gradients
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (batch, seq_len)
+
+
+class StepHooks:
+    """What a caller may do at a step's named points; the base class does nothing."""
+
+    def phase(self, name: str) -> None:
+        """Before each part of the step: "forward", "backward", "collective", "optimizer"."""
+
+    def first_forward(self) -> None:
+        """Inside the step's first forward (before any of its work)."""
+
+    def poison_loss(self) -> bool:
+        """Whether the first micro-batch's loss is to be made NaN."""
+        return False
+
+    def apply_update(self, loss_sum: torch.Tensor, parts: int, grad_norm: torch.Tensor) -> bool:
+        """Whether to step the optimizer, given this rank's summed loss over `parts` micro-batches and the
+        gradient norm."""
+        return True
+
+
+@dataclass
+class StepOutcome:
+    loss_sum: torch.Tensor  # this rank's sum of its micro-batches' mean losses (detached)
+    parts: int  # how many micro-batches that sum is over
+    grad_norm: torch.Tensor
+    applied: bool  # whether the optimizer stepped
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+               micro_batches: list[Batch], *, device: torch.device, grad_clip: float,
+               autocast: Callable[[], Any] = contextlib.nullcontext,
+               shard: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+               measure: Callable[[], Any] = contextlib.nullcontext, pipeline: Any = None, pp_group: Any = None,
+               hooks: StepHooks | None = None) -> StepOutcome:
+    """One step over this rank's micro-batches. shard: this rank's share of each sequence (context
+    parallelism); measure: a context around this rank's own work (the straggler clock)."""
+    hooks = hooks or StepHooks()
+    if pipeline is not None:
+        loss_sum, parts = _pipeline_forward_backward(micro_batches, device, autocast, measure, pipeline, hooks)
+    else:
+        loss_sum, parts = torch.zeros((), device=device), len(micro_batches)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            hooks.phase("forward")
+            with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+                with measure():  # a rank's own work: backward may wait on its peers
+                    if i == 0:
+                        hooks.first_forward()
+                    inputs = shard(inputs.to(device, non_blocking=True))
+                    targets = shard(targets.to(device, non_blocking=True))
+                    with autocast():
+                        logits = model(inputs)
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                if i == 0 and hooks.poison_loss():
+                    loss = loss * float("nan")
+                hooks.phase("backward")
+                (loss / len(micro_batches)).backward()
+            loss_sum += loss.detach()
+    hooks.phase("collective")
+    grad_norm = clip_gradients(params, grad_clip, pp_group=pp_group)
+    applied = hooks.apply_update(loss_sum, parts, grad_norm)
+    hooks.phase("optimizer")
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepOutcome(loss_sum, parts, grad_norm, applied)
+
+
+def _pipeline_forward_backward(micro_batches: list[Batch], device: torch.device, autocast: Callable[[], Any],
+                               measure: Callable[[], Any], pipeline: Any, hooks: StepHooks) -> tuple[torch.Tensor, int]:
+    """The schedule runs the step's whole share itself (split into parallel.pp_microbatches pieces): the
+    sum of their mean losses on the last stage, else 0."""
+    hooks.phase("forward")
+    inputs = torch.cat([x for x, _ in micro_batches]).to(device, non_blocking=True)
+    targets = torch.cat([y for _, y in micro_batches]).to(device, non_blocking=True)
+    with measure():
+        hooks.first_forward()
+        with autocast():
+            return pipeline.train_step(inputs, targets, poison=hooks.poison_loss()), pipeline.n_microbatches
