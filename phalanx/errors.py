@@ -34,6 +34,9 @@ EXIT_CODES = (
                   "resumes from the newest saved checkpoint", False),
     ExitCode("9", "the run directory was deleted or replaced while the job ran: it stopped rather than write "
                   "checkpoints and records where nobody reads them, and beside a new launch of the same run", False),
+    ExitCode("10", "a rank ran out of memory at the same step on two attempts in a row (the message names the rank, "
+                   "the step and the allocation): every restart would too; make the step need less memory "
+                   "(`train.micro_batch_size`, sharding, activation checkpointing) or run where there is more", False),
     ExitCode("143", "preempted (SIGTERM): checkpoint saved. Every rank finished its step and the job saved a "
                     "checkpoint there within `safe.preemption_grace_s`; the same command resumes from that step", True),
     ExitCode("128 + N", "stopped by signal N (130: Ctrl-C); the same command resumes from the newest checkpoint",
@@ -110,6 +113,14 @@ class RunDirLostError(PhalanxError):
     replaced): another launch may hold the name now, so the job stops (safe/agent.py)."""
 
     exit_code = 9
+
+
+class RankOutOfMemoryError(PhalanxError):
+    """A rank's allocation failed. The rank exits with this code (phalanx/train/worker.py), and its node
+    agent restarts once: memory another process held, or fragmentation, may be gone by then. The same
+    step running out again stops the job with it (phalanx/safe/agent.py)."""
+
+    exit_code = 10
 
 
 class AgentGoneError(PhalanxError):

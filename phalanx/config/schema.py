@@ -193,7 +193,7 @@ class CheckpointSection(Section):
 class FaultSpec(Section):
     """One injected fault, for drills and tests. Fires once per run unless `repeat` is set."""
 
-    fault: Literal["kill", "hang", "stop", "slow", "nan", "corrupt_checkpoint", "fail_save"]
+    fault: Literal["kill", "hang", "stop", "slow", "nan", "oom", "corrupt_checkpoint", "fail_save"]
     rank: NonNegativeInt = 0
     step: PositiveInt = 1
     ms: NonNegativeInt = 0  # for `slow`: added to every step of that rank from `step` on

@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from phalanx.run.checkpoints import checkpoint_step, latest_checkpoint
 from phalanx.run.layout import RunDir
 from phalanx.run.records import JsonlEventSink
 from phalanx.run.snapshots import launch_dir, newest_common_step
-from phalanx.safe.heartbeat import ENV_FILE, HeartbeatBoard, board_path, remove_stale_boards
+from phalanx.safe.heartbeat import ENV_FILE, open_board
 from phalanx.safe.rank_guard import ENV_AGENT_PID, ENV_RUN_LOCK
 
 # The c10d rendezvous options a user may set (seconds), as torchrun's --rdzv-conf takes them.
@@ -116,11 +115,13 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
 
     min_nodes, max_nodes = spec.node_range()
     entrypoint, start_method = sys.executable, "spawn"  # torch's agent: a command line per rank
+    cold_start = None
     if one_shot is None:
         role, work_dir, rdzv_id = "trainer", config.run_dir, config.run.name
         args = ("-m", "phalanx.train.worker", str(RunDir(config.run_dir).config))
         max_restarts, heartbeats = config.safe.max_restarts, config.safe.heartbeats
         if config.safe.warm_restarts:  # the worker's function, forked from the warm server instead
+            cold_start = (entrypoint, args)  # what the agent starts when /dev/shm is too full for a warm start
             entrypoint, start_method = run_entry, "forkserver"
             args = ("phalanx.train.worker", "run_rank", *args[2:])
     else:
@@ -145,9 +146,7 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
                              rdzv_handler=handler, max_restarts=max_restarts, monitor_interval=0.1)
     board = None
     if heartbeats:
-        shm = Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
-        remove_stale_boards(shm)
-        board = HeartbeatBoard(board_path(shm), spec.nproc)
+        board = open_board(spec.nproc)
         os.environ[ENV_FILE] = str(board.path)
     os.environ[ENV_AGENT_PID] = str(os.getpid())  # the ranks check it is still their parent
     lock = RunDir(config.run_dir).lock
@@ -168,7 +167,7 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
         start_server()
     agent = PhalanxAgent(worker_spec, DefaultLogsSpecs(), safe=config.safe, run_dir=work_dir,
                          events=JsonlEventSink(work_dir), board=board, newest_checkpoint_step=newest_step,
-                         before_restart=before_restart, start_method=start_method)
+                         before_restart=before_restart, cold_start=cold_start, start_method=start_method)
     # torch's elastic agent logs every stop and failure in its own format ("W1201 12:00:00.0 ... Sending
     # process 123 closing signal SIGTERM"); the agent says them in phalanx's words, so torch's are only
     # shown under --debug.

@@ -7,14 +7,20 @@ This subclass adds what it lacks:
     Python stack dumped (with every other local rank's), then the group is failed and restarted;
   - crash loops: restarts that never get past the newest checkpoint stop the run (exit code 3);
   - a bad-input exit (code 2) of any rank stops the run at once: restarting cannot fix a config;
+  - a rank out of memory is named with its step and allocation and retried once; the same step running
+    out again on the next attempt stops the run (exit code 10): every restart would;
   - preemption: on SIGTERM the ranks are given `safe.preemption_grace_s` to finish their step and save
     (phalanx/safe/preemption.py) before they are killed; every other stop (a restart, a failed run) kills
     them at once, since a rank takes SIGTERM to mean "save first";
+  - a full /dev/shm: warm-started ranks need a few POSIX semaphores there (torch's process context
+    makes them), so when it has no room left the attempt's ranks start as fresh interpreters instead;
   - every attempt, failure, hang and restart is an event in RUN_DIR/events.jsonl.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import functools
 import os
 import signal
@@ -28,22 +34,27 @@ from torch.distributed.elastic.multiprocessing.api import SignalException, _term
 
 from phalanx.config.schema import SafeSection
 from phalanx.console import say
-from phalanx.errors import (CrashLoopError, DiskFullError, PhalanxError, PreemptedError, RunDirLostError,
-                            StoppedBySignal)
+from phalanx.errors import (CrashLoopError, DiskFullError, PhalanxError, PreemptedError, RankOutOfMemoryError,
+                            RunDirLostError, StoppedBySignal)
 from phalanx.run.layout import RunDir
 from phalanx.run.records import EventSink
 from phalanx.safe.heartbeat import HeartbeatBoard
+from phalanx.safe.out_of_memory import allocation_failure, read_error_file
 from phalanx.safe.stacks import innermost_frame, take_stacks
 from phalanx.safe.watchdog import HangDetector, Stall, culprit
 
 STACK_WAIT_SECONDS = 2.0
+NO_OUT_OF_MEMORY = object()  # the previous attempt did not end in an out-of-memory (a step may be None)
 
 
 class PhalanxAgent(LocalElasticAgent):
     def __init__(self, spec, logs_specs, *, safe: SafeSection, run_dir: Path, events: EventSink,
-                 board: HeartbeatBoard | None, newest_checkpoint_step, before_restart=None, **kwargs):
+                 board: HeartbeatBoard | None, newest_checkpoint_step, before_restart=None,
+                 cold_start: tuple[str, tuple[str, ...]] | None = None, **kwargs):
         super().__init__(spec, logs_specs, **kwargs)
         self.before_restart = before_restart  # () -> None, raises to keep this node out (safe.preflight)
+        # (executable, args): the same rank as a command line, for when a warm start cannot be made
+        self.cold_start = cold_start
         self.safe, self.run_dir, self.events, self.board = safe, run_dir, events, board
         self.detector = HangDetector(safe)
         self.newest_checkpoint_step = newest_checkpoint_step  # () -> int | None, read at each failure
@@ -51,6 +62,7 @@ class PhalanxAgent(LocalElasticAgent):
         self.failed_without_progress = 0
         self.last_failure = "none"
         self._failure_line = ""  # the last failure as the console says it
+        self._previous_oom_step = NO_OUT_OF_MEMORY  # the step the previous attempt ran out of memory at
         self._notice: str | None = None  # said when the next attempt starts, once the old ranks are gone
         self.hosts_rank0 = False
         self._failed = False
@@ -70,7 +82,7 @@ class PhalanxAgent(LocalElasticAgent):
             raise
 
     def _start_workers(self, worker_group: WorkerGroup):
-        result = super()._start_workers(worker_group)
+        result = self._start_warm_or_cold(worker_group)
         # torch stops the other ranks itself as soon as one fails (PContext.close() with its default,
         # SIGTERM, and up to 30 s for them to exit). A phalanx rank takes SIGTERM to mean "finish the step
         # and save", which the survivors of a failure cannot do: their collectives wait on the dead peer.
@@ -98,6 +110,29 @@ class PhalanxAgent(LocalElasticAgent):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._note_sigterm)
         return result
+
+    def _start_warm_or_cold(self, worker_group: WorkerGroup):
+        """torch's start of the ranks. Warm-started ranks (forked from the warm server) need torch's
+        process context, whose queues and event are POSIX semaphores, which glibc keeps in /dev/shm
+        whatever any setting says: on a full /dev/shm making one fails with ENOSPC, and that used to kill
+        this agent at the next restart (exit 1, no restart). Ranks started as command lines need no shared
+        memory, so that attempt starts them so, a few seconds slower, and resumes as any restart does."""
+        try:
+            return super()._start_workers(worker_group)
+        except OSError as exc:  # a semaphore's ENOSPC names no file (a full log directory's would)
+            if exc.errno != errno.ENOSPC or exc.filename is not None or self.cold_start is None \
+                    or not callable(worker_group.spec.entrypoint):
+                raise
+        say("warning: /dev/shm is full (no room for the semaphores of a warm start): this attempt's ranks "
+            "start as fresh interpreters, seconds slower; free /dev/shm to get warm restarts back")
+        self.events.emit("cold_start", attempt=self.attempt, reason="/dev/shm is full")
+        warm = worker_group.spec
+        executable, args = self.cold_start
+        worker_group.spec = dataclasses.replace(warm, entrypoint=executable, args=args)
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            worker_group.spec = warm  # the next attempt tries a warm start again
 
     def _kill_survivor(self, local_rank: int, process) -> None:
         self._stopped_ranks.add(local_rank)
@@ -228,13 +263,20 @@ class PhalanxAgent(LocalElasticAgent):
                           "phase": beat.phase if beat else None,
                           "stalled_for": now - beat.time if beat and beat.time else None,
                           "stopped": local_rank in self._stopped_ranks})
-        # A rank killed by a signal is the likelier cause; peers then fail on broken connections, and
+        # A rank that ran out of memory is the cause: it says so in its exit code, and its peers only fail
+        # with it (a broken connection, an abort, the agent's stop), some of them silent as long or longer.
+        # Else a rank killed by a signal is the likelier cause; peers then fail on broken connections, and
         # those the agent stopped itself (SIGKILL once a peer failed) are consequences. Then the one
         # silent longest.
-        cause = max(ranks, key=lambda r: (r["exitcode"] < 0 and r["exitcode"] != -signal.SIGTERM and not r["stopped"],
+        cause = max(ranks, key=lambda r: (r["exitcode"] == RankOutOfMemoryError.exit_code,
+                                          r["exitcode"] < 0 and r["exitcode"] != -signal.SIGTERM and not r["stopped"],
                                           r["stalled_for"] or 0.0))
         for r in ranks:
             del r["stopped"]
+        if cause["exitcode"] == RankOutOfMemoryError.exit_code:
+            self._on_out_of_memory(cause, ranks, failed[cause["rank"]][0])
+            return
+        self._previous_oom_step = NO_OUT_OF_MEMORY
         self.events.emit("worker_failed", rank=cause["rank"], attempt=self.attempt, exitcode=cause["exitcode"],
                          step=cause["step"], phase=cause["phase"], stalled_for=cause["stalled_for"], ranks=ranks)
         self.last_failure = f"rank {cause['rank']} exited with code {cause['exitcode']}" + (
@@ -244,8 +286,29 @@ class PhalanxAgent(LocalElasticAgent):
         self._failure_line = f"rank {cause['rank']} exited {how}" + (
             f" at step {cause['step']}" if cause["step"] is not None else "")
 
+    def _on_out_of_memory(self, cause: dict, ranks: list[dict], local_rank: int) -> None:
+        """Name the rank, the step and the allocation that failed (the rank recorded the allocator's message
+        in torch elastic's error file). An out-of-memory can pass (memory another process held,
+        fragmentation), so it is retried once; at the step the previous attempt ran out at too, it is
+        the step itself that does not fit, and every restart would fail the same way: the run stops."""
+        files = getattr(self._pcontext, "error_files", None) or {}
+        failure = allocation_failure(read_error_file(files.get(local_rank)))
+        step = cause["step"]
+        self.events.emit("worker_failed", rank=cause["rank"], attempt=self.attempt, exitcode=cause["exitcode"],
+                         step=step, phase=cause["phase"], stalled_for=cause["stalled_for"], ranks=ranks,
+                         reason="out_of_memory", bytes=failure.nbytes, device=failure.device)
+        where = f"at step {step}" if step is not None else "while starting"
+        self.last_failure = f"rank {cause['rank']} ran out of memory {where} ({failure.describe()})"
+        if step == self._previous_oom_step:
+            raise RankOutOfMemoryError(
+                f"{self.last_failure}, as on the previous attempt: every restart would too; make the step need "
+                "less memory (train.micro_batch_size, sharding, activation checkpointing) or run where there is more")
+        self._previous_oom_step = step
+        self._failure_line = f"{self.last_failure}; retried once, as memory another process held may be free now"
+
     def _on_hang(self, worker_group: WorkerGroup, stalls: list[Stall]) -> None:
         """Dump every local rank's stack, then record who stalled, where and in which phase."""
+        self._previous_oom_step = NO_OUT_OF_MEMORY
         pids = self._pcontext.pids() if self._pcontext is not None else {}
         global_rank = {w.local_rank: w.global_rank for w in worker_group.workers}
         files = {s.local_rank: RunDir(self.run_dir).stack_file(self.attempt, global_rank[s.local_rank]) for s in stalls}

@@ -14,6 +14,7 @@ the next launch can remove the boards of agents that died without removing their
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import select
@@ -89,6 +90,31 @@ class HeartbeatBoard:
         self._beater.join()
         self._map.close()
         self.path.unlink(missing_ok=True)
+
+
+def open_board(local_world_size: int) -> HeartbeatBoard:
+    """This agent's board, in /dev/shm (memory: no beat ever reaches a disk), or in the temp directory where
+    /dev/shm is not writable or has no room for it: a full /dev/shm must not stop a launch (the agent then
+    starts its ranks cold, safe/agent.py). The boards that dead agents left there go first."""
+    import tempfile
+
+    if os.access("/dev/shm", os.W_OK):
+        try:
+            return _new_board(Path("/dev/shm"), local_world_size)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    return _new_board(Path(tempfile.gettempdir()), local_world_size)
+
+
+def _new_board(directory: Path, local_world_size: int) -> HeartbeatBoard:
+    remove_stale_boards(directory)
+    path = board_path(directory)
+    try:
+        return HeartbeatBoard(path, local_world_size)
+    except OSError:
+        path.unlink(missing_ok=True)  # the empty file board_path made
+        raise
 
 
 def board_path(directory: Path) -> Path:

@@ -25,8 +25,16 @@ from phalanx.run.records import EventSink, read_events
 from phalanx.safe.heartbeat import Heartbeat
 
 
+# What the `oom` fault asks the allocator for: more than any machine has (1 PiB), so the real allocator
+# refuses it at once, as it refuses a batch that does not fit (CPU: "can't allocate memory: you tried to
+# allocate N bytes"; GPU: torch.OutOfMemoryError), and nothing is ever allocated.
+OOM_BYTES = 1 << 50
+
+
 class FaultInjector:
-    def __init__(self, specs: list[FaultSpec], rank: int, events: EventSink, run_dir: Path, heartbeat: Heartbeat):
+    def __init__(self, specs: list[FaultSpec], rank: int, events: EventSink, run_dir: Path, heartbeat: Heartbeat,
+                 device: torch.device):
+        self.device = device  # where the training tensors live: where an `oom` fault allocates
         fired = {e.get("spec") for e in read_events(run_dir) if e["kind"] == "fault_injected"}
         self._pending = [s for s in specs if s.rank == rank and (s.repeat or _key(s) not in fired)]
         self.rank, self.events, self.heartbeat = rank, events, heartbeat
@@ -56,6 +64,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no exception handler
         if self._fire(("stop",), step):
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive, silent, and deaf to the stack signal
+        if self._fire(("oom",), step):
+            torch.empty(OOM_BYTES, dtype=torch.uint8, device=self.device)  # raises the allocator's own error
         if slow := self._fire(("slow",), step):
             self.slow_seconds = slow.ms / 1000
         hang = self._fire(("hang",), step)

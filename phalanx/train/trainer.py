@@ -139,7 +139,8 @@ class Trainer:
         self.clock = ComputeClock(env.device)
         self.stragglers = StragglerDetector(self.safe.straggler_window, self.safe.straggler_threshold,
                                             self.safe.straggler_min_ms / 1000, env)
-        self.faults = FaultInjector(self.safe.inject, env.rank, self.events, self.run_dir, self.heartbeat)
+        self.faults = FaultInjector(self.safe.inject, env.rank, self.events, self.run_dir, self.heartbeat,
+                                    device=env.device)
 
         self.tokens_per_step = tc.global_batch_size * tc.seq_len
         self.fpt = flops_per_token(self.args, tc.seq_len)

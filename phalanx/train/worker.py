@@ -17,7 +17,8 @@ import sys
 import traceback
 import warnings
 
-from phalanx.errors import DiskFullError, PhalanxError, PreemptedError
+from phalanx.errors import DiskFullError, PhalanxError, PreemptedError, RankOutOfMemoryError
+from phalanx.safe.out_of_memory import is_out_of_memory
 from phalanx.safe.rank_guard import guard_rank
 
 # `phalanx --debug` sets this for the whole job; then torch's own warnings and log lines are shown too.
@@ -61,7 +62,23 @@ def main(argv: list[str]) -> int:
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        return _out_of_memory(exc)
     return 0
+
+
+def _out_of_memory(exc: BaseException) -> int:
+    """An allocation failed: the node agent names this rank, the step and the size in one line and decides
+    whether to restart (the code says which failure it was, torch elastic's error file the message).
+    Its traceback is only noise beside that line, so it is shown under --debug only."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    get_error_handler().record_exception(exc)
+    if os.environ.get(DEBUG_ENV) == "1":
+        traceback.print_exc()
+    return RankOutOfMemoryError.exit_code
 
 
 def run_rank(config_path: str) -> None:
