@@ -20,7 +20,8 @@ EXIT_CODES = (
     ExitCode("0", "done", False),
     ExitCode("1", "a rank's own failure (a crash, a checkpoint that would not load), which the node agent "
                   "restarts; from a command, an unexpected error: rerun with --debug and report it", False),
-    ExitCode("2", "bad input: fix the command or config", False),
+    ExitCode("2", "bad input: fix the command or config (or install the extra it names: `pip install "
+                  "'phalanx[serve]'`)", False),
     ExitCode("3", "crash loop: `safe.crash_loop_restarts` restarts in a row never got past the newest "
                   "checkpoint", False),
     ExitCode("4", "the run failed again after `safe.max_restarts` restarts", True),

@@ -29,6 +29,9 @@ def register(app: typer.Typer) -> None:
         phalanx export runs/demo --format gguf --out exports/demo-gguf --dtype f16
         phalanx export runs/demo --format gguf --out exports/demo-q8 --dtype q8_0
         """
+        from phalanx.extras import require
+
+        require("export", "phalanx export")
         from phalanx.export.export import export_run
 
         files = export_run(run_dir, fmt, out, dtype, force)

@@ -21,6 +21,7 @@ from phalanx.job.fresh_run_dir import owned_run_dir
 from phalanx.launch.local import LaunchSpec, launch
 from phalanx.models.flops import count_params
 from phalanx.models.from_config import model_args
+from phalanx.observe.availability import check_observe_settings
 from phalanx.observe.observer import observe_run
 from phalanx.parallel.float8 import check_float8
 from phalanx.parallel.mesh import resolve_layout
@@ -46,6 +47,7 @@ def check_job(config: Config, spec: LaunchSpec) -> None:
         layout = resolve_layout(config.parallel, world_size)
         check_batch_sizes(config.train.global_batch_size, config.train.micro_batch_size, layout.dp)
     config_overrides(config.safe.preflight_thresholds)  # unknown check names, even with the preflight off
+    check_observe_settings(config)  # a store, /metrics or TensorBoard asked for that this install lacks
     if config.train.dtype == "float8" and (config.parallel.device == "cpu" or not torch.cuda.is_available()):
         check_float8(torch.device("cpu"))  # refused here, in one line; the ranks check their GPUs' kind
 

@@ -41,6 +41,9 @@ def _register_dashboard(app: typer.Typer) -> None:
         from pathlib import Path
 
         from phalanx.errors import PhalanxError
+        from phalanx.extras import require
+
+        require("observe", "phalanx dashboard")  # before the imports below, which need it
         from phalanx.http_guard import server_hosts
         from phalanx.observe.app import bind, create_app, serve
         from phalanx.observe.auth import check_exposure

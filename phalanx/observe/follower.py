@@ -23,16 +23,19 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 
 from phalanx.errors import StoreError
-from phalanx.observe.store import RunStore
+from phalanx.extras import require
 from phalanx.run.layout import EVENTS, METRICS, TELEMETRY, RunDir
 from phalanx.run.records import JsonlEventSink
 from phalanx.safe.goodput import account
+
+if TYPE_CHECKING:  # a store is handed in: the follower that only feeds /metrics and TensorBoard needs no SQLAlchemy
+    from phalanx.observe.store import RunStore
 
 GOODPUT_EVERY_S = 10.0
 # What goodput accounting needs of each step record; the follower keeps only these for the launch.
@@ -355,13 +358,9 @@ def _read_new_lines(path: Path, position: int) -> tuple[list[dict], int]:
 
 
 def _tensorboard_writer(run_dir: Path):
-    from phalanx.errors import PhalanxError
+    require("tensorboard", "observe.tensorboard=true")
+    from torch.utils.tensorboard import SummaryWriter
 
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise PhalanxError("observe.tensorboard=true needs the tensorboard package: "
-                           "pip install 'phalanx[tensorboard]'") from None
     return SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard))
 
 

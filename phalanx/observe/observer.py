@@ -10,23 +10,30 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from phalanx.config.schema import Config
 from phalanx.errors import PhalanxError, StoppedBySignal, StoreError
+from phalanx.observe.availability import store_in_use
 from phalanx.observe.follower import RunFollower
-from phalanx.observe.store import RunStore, check_url, store_url
 from phalanx.observe.store_writer import StoreWriter
 from phalanx.run.layout import RunDir
 from phalanx.run.records import JsonlEventSink
 from phalanx.safe.telemetry import TelemetrySampler
 
+if TYPE_CHECKING:  # store.py imports SQLAlchemy, which only the observe extra installs: imported where used
+    from phalanx.observe.store import RunStore
+
 
 def open_store(config: Config) -> RunStore | None:
-    if config.observe.store == "none":
+    """The run store of `config`, or None: observe.store=none, or the default store on an install without
+    the observe extra (availability.py says so once)."""
+    if not store_in_use(config):
         return None
+    from phalanx.observe.store import RunStore
+
     return RunStore.open(config.observe.store, config.run.dir)
 
 
@@ -36,9 +43,12 @@ def observe_run(config: Config, node_rank: int, world_size: int, model: str, sta
     file system holds every rank's files there; the store learns the other nodes from their ranks'
     records) from a writer process; every node samples its hardware and may serve its /metrics. The
     store is a convenience: when it cannot be reached the run trains anyway, with a warning, and the
-    writer keeps retrying."""
+    writer keeps retrying; on an install without the observe extra the default store is skipped, with a
+    note (availability.py)."""
     writer = None
-    if node_rank == 0 and config.observe.store != "none":
+    if node_rank == 0 and store_in_use(config):
+        from phalanx.observe.store import check_url, store_url
+
         url = store_url(config.observe.store, config.run.dir)
         check_url(url)  # a URL that can never work is bad input now, not a warning in the writer
         writer = StoreWriter({

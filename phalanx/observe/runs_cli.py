@@ -22,10 +22,14 @@ RunsOpt = typer.Option(Path("runs"), "--runs", help="Runs root whose store file 
 StoreOpt = typer.Option(None, "--store", help="A store URL (postgresql://...) or file, instead of --runs.")
 
 
-def _open(runs: Path, store: str | None):
+def _open(runs: Path, store: str | None, create: bool = False):
+    """The store every `runs` command reads, or one line naming the extra that provides it."""
+    from phalanx.extras import require
+
+    require("observe", "phalanx runs")
     from phalanx.observe.store import RunStore
 
-    return RunStore.open(store, runs, create=False)
+    return RunStore.open(store, runs, create=create)
 
 
 @runs_app.command("list")
@@ -136,9 +140,8 @@ def runs_import(run_dirs: list[Path] = typer.Argument(..., help="Run directories
     phalanx runs import runs/old-run --json
     """
     from phalanx.observe.observer import sync_run_dir
-    from phalanx.observe.store import RunStore
 
-    s = RunStore.open(store, runs)
+    s = _open(runs, store, create=True)
     imported = []
     for run_dir in run_dirs:
         run_id, known = sync_run_dir(s, run_dir)

@@ -24,6 +24,7 @@ from alembic.util.exc import CommandError
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
 
 from phalanx.errors import PhalanxError, StoreError
+from phalanx.extras import require
 from phalanx.observe import tables as t
 from phalanx.observe.redaction import redact as redact_secrets
 from phalanx.observe.redaction import redact_url
@@ -77,6 +78,8 @@ class RunStore:
             path.parent.mkdir(parents=True, exist_ok=True)
         elif parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3, the driver we install
+        if parsed.drivername == "postgresql+psycopg":
+            require("postgres", f"the run store {redact(url)}")
         # A store that does not answer must not hold a node agent for minutes: give up after 10 s.
         connect_args = {"connect_timeout": 10} if parsed.get_backend_name() == "postgresql" else {}
         try:

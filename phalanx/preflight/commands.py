@@ -104,8 +104,10 @@ def _default_nproc(device: str) -> int:
 
 def _clear(config: Any, node: str, json_out: bool) -> None:
     from phalanx.errors import PhalanxError
+    from phalanx.extras import require
     from phalanx.observe.observer import open_store
 
+    require("observe", "phalanx preflight --clear")  # the quarantine list lives in the run store
     store = open_store(config)
     if store is None:
         raise PhalanxError("observe.store=none: there is no run store to hold a quarantine")

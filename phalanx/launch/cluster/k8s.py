@@ -50,7 +50,8 @@ ENV PYTHONUNBUFFERED=1
 WORKDIR /opt/phalanx
 COPY pyproject.toml README.md ./
 COPY phalanx ./phalanx
-RUN python -m pip install --no-cache-dir . && phalanx --help >/dev/null
+# Every extra that installs anywhere: the pods record to a run store (often PostgreSQL) and may serve.
+RUN python -m pip install --no-cache-dir '.[all]' && phalanx --help >/dev/null
 """
 
 

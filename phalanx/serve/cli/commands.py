@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import typer
 
+from phalanx.extras import require
+
 ApiKeyOpt = typer.Option(None, "--api-key", envvar="PHALANX_API_KEY", show_envvar=True,
                          help="Bearer token every request must send (all endpoints but /health).")
 
@@ -39,6 +41,7 @@ def register(app: typer.Typer) -> None:
           phalanx generate runs/demo "ROMEO:" --max-new-tokens 100 --seed 0
           phalanx generate exports/demo-hf "JULIET:" --temperature 0
         """
+        require("serve", "phalanx generate")  # it decodes through the serving engine
         from phalanx.serve.cli.generate import generate as generate_from
         from phalanx.serve.cli.generate import generate_options
 
@@ -94,6 +97,7 @@ def register(app: typer.Typer) -> None:
         phalanx serve exports/demo-hf --engine vllm
         phalanx serve runs/demo --quantize int8
         """
+        require("serve", "phalanx serve")
         from phalanx.serve.server import serve as run_server
 
         run_server(path, host, port, api_key or None, model_name, slots, max_queue, context, device, dtype, threads,
@@ -126,6 +130,7 @@ def register(app: typer.Typer) -> None:
           phalanx chat http://127.0.0.1:11434 --api-key KEY
           phalanx chat runs/demo --seed 1 < questions.txt
         """
+        require("serve", "phalanx chat")
         from phalanx.serve.cli.chat import run_chat
 
         given: dict[str, Any] = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
