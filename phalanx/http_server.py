@@ -18,10 +18,13 @@ on (h11's connection states, the transport and loop uvicorn sets) is checked by 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from phalanx.errors import PhalanxError
 
 HEAD_TIMEOUT_SECONDS = 10.0
 CONNECTIONS_PER_CLIENT = 64
@@ -72,6 +75,17 @@ def guarded_protocol(head_timeout: float = HEAD_TIMEOUT_SECONDS,
                 self.transport.close()
 
     return GuardedH11Protocol
+
+
+def trusted_proxies(given: list[str]) -> tuple[str, ...]:
+    """The --trusted-proxy values, each an address or a network (10.0.0.0/8); anything else is bad input."""
+    for value in given:
+        try:
+            ipaddress.ip_network(value, strict=False)
+        except ValueError:
+            raise PhalanxError(f"--trusted-proxy takes an IP address or network (such as 10.0.0.5 or 10.0.0.0/8), "
+                               f"not {value!r}") from None
+    return tuple(given)
 
 
 def server_config(app: Any, log_level: str, trusted_proxies: tuple[str, ...] = (),

@@ -106,3 +106,15 @@ def test_forwarded_for_counts_only_from_a_trusted_proxy(trusted, seen):
     with serving(trusted_proxies=trusted) as port:
         reply = httpx.get(f"http://127.0.0.1:{port}/", headers={"X-Forwarded-For": "203.0.113.7"})
         assert reply.text == seen
+
+
+@pytest.mark.parametrize("command", [["serve", "runs/none"], ["dashboard"]])
+def test_a_trusted_proxy_must_be_an_address_or_network(command, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "phalanx", *command, "--trusted-proxy", "proxy.example"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("error: --trusted-proxy takes an IP address or network (such as 10.0.0.5 or "
+                                   "10.0.0.0/8), not 'proxy.example'")

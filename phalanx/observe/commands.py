@@ -31,6 +31,10 @@ def _register_dashboard(app: typer.Typer) -> None:
             [], "--allowed-host", metavar="NAME", envvar="PHALANX_ALLOWED_HOSTS",
             help="A Host name to answer besides loopback names, IP addresses and this machine's name "
                  "(repeatable; .example.org: all names under it)."),
+        proxies: list[str] = typer.Option(
+            [], "--trusted-proxy", metavar="ADDRESS", envvar="PHALANX_TRUSTED_PROXIES",
+            help="An address or network (repeatable) whose X-Forwarded-For header names the client: your reverse "
+                 "proxy. Without one the header is ignored, so a client cannot pick its own address."),
     ) -> None:
         """Serve the web dashboard: runs, live curves, rank heatmap, events, goodput, /metrics.
 
@@ -45,6 +49,7 @@ def _register_dashboard(app: typer.Typer) -> None:
 
         require("observe", "phalanx dashboard")  # before the imports below, which need it
         from phalanx.http_guard import server_hosts
+        from phalanx.http_server import trusted_proxies
         from phalanx.observe.app import bind, create_app, serve
         from phalanx.observe.auth import check_exposure
         from phalanx.observe.store import RunStore, redact
@@ -52,12 +57,14 @@ def _register_dashboard(app: typer.Typer) -> None:
         if runs is not None and store is not None:
             raise PhalanxError("give --runs DIR or --store URL, not both")
         check_exposure(host, token)
+        trusted = trusted_proxies(proxies)
         run_store = RunStore.open(store, Path(runs or "runs"), create=False)
         sock = bind(host, port)
         shown = f"[{host}]" if ":" in host else host
         print(f"phalanx dashboard at http://{shown}:{sock.getsockname()[1]}/ (store {redact(run_store.url)}"
               f"{', token required' if token else ''}); Ctrl-C stops it", flush=True)
         try:
-            serve(create_app(run_store, token, allowed_hosts=server_hosts(host, allowed_hosts)), sock)
+            serve(create_app(run_store, token, allowed_hosts=server_hosts(host, allowed_hosts)), sock,
+                  trusted_proxies=trusted)
         finally:
             run_store.close()

@@ -87,6 +87,10 @@ def register(app: typer.Typer) -> None:
                                                 help="A Host name to answer besides loopback names, IP addresses "
                                                      "and this machine's name (repeatable; .example.org: all "
                                                      "names under it)."),
+        proxies: list[str] = typer.Option([], "--trusted-proxy", metavar="ADDRESS", envvar="PHALANX_TRUSTED_PROXIES",
+                                          help="An address or network (repeatable) whose X-Forwarded-For header "
+                                               "names the client: your reverse proxy. Without one the header is "
+                                               "ignored, so a client cannot pick its own address."),
     ) -> None:
         """Serve a model over Ollama's and OpenAI's HTTP APIs, batching concurrent requests.
 
@@ -98,10 +102,11 @@ def register(app: typer.Typer) -> None:
         phalanx serve runs/demo --quantize int8
         """
         require("serve", "phalanx serve")
+        from phalanx.http_server import trusted_proxies
         from phalanx.serve.server import serve as run_server
 
         run_server(path, host, port, api_key or None, model_name, slots, max_queue, context, device, dtype, threads,
-                   log_level, tuple(allowed_hosts), engine, quantize, tensor_parallel)
+                   log_level, tuple(allowed_hosts), engine, quantize, tensor_parallel, trusted_proxies(proxies))
 
     @app.command()
     def chat(
