@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from phalanx.config.schema import Config
 from phalanx.data.loader import BatchLoader, TokenDataset, check_batch_sizes
@@ -27,7 +26,6 @@ from phalanx.data.prepare import PreparedData
 from phalanx.errors import PhalanxError, PreemptedError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
-from phalanx.parallel.apply import gradient_sync
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.context_parallel import check_cp, context_split
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib
@@ -57,7 +55,8 @@ from phalanx.safe.stragglers import ComputeClock, StragglerDetector
 from phalanx.train.checkpoint import Checkpointer, SaveOutcome, verify_in_parallel
 from phalanx.train.evaluate import Evaluator
 from phalanx.train.memory_checkpoint import MemorySnapshots, remove_rank
-from phalanx.train.optim import build_optimizer, clip_gradients, lr_at
+from phalanx.train.optim import build_optimizer, lr_at
+from phalanx.train.step import StepHooks, train_step
 from phalanx.train.progress import ProgressLine, notice
 
 
@@ -210,7 +209,7 @@ class Trainer:
         return self._summary(max(step, self.state.get("resumed_step", 0)), timed_steps, timed_seconds)
 
     def _step(self, step: int) -> dict[str, Any] | None:
-        """One optimizer step; None if the numerics guard rolled the run back instead."""
+        """One optimizer step (train/step.py); None if the numerics guard rolled the run back instead."""
         lr = lr_at(step, self.tc)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -220,66 +219,16 @@ class Trainer:
         with self.clock.measure(host=True):
             micro_batches = self.loader.next_batch()
         data_seconds = time.perf_counter() - t_data
-        loss_sum, parts = torch.zeros((), device=self.env.device), len(micro_batches)
-        if self.pipeline is not None:  # the schedule runs the step's micro-batches itself: no loop below
-            loss_sum, parts = self._pipeline_step(step, micro_batches), self.pipeline.n_microbatches
-            micro_batches = []
-        for i, (inputs, targets) in enumerate(micro_batches):
-            self.heartbeat.beat("forward")
-            with gradient_sync(self.model, enabled=i == len(micro_batches) - 1):
-                with self.clock.measure():  # a rank's own work: backward may wait on its peers
-                    if i == 0:
-                        self.faults.in_forward(step)
-                    inputs = inputs.to(self.env.device, non_blocking=True)
-                    targets = targets.to(self.env.device, non_blocking=True)
-                    inputs, targets = self.split.shard(inputs), self.split.shard(targets)
-                    with self.autocast():
-                        logits = self.model(inputs)
-                        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-                if i == 0 and self.faults.nan_loss(step):
-                    loss = loss * float("nan")
-                self.heartbeat.beat("backward")
-                (loss / len(micro_batches)).backward()
-            loss_sum += loss.detach()
-        self.heartbeat.beat("collective")
-        grad_norm = clip_gradients(self.params, self.tc.grad_clip, pp_group=self.pp_group)
-        # One small all-reduce and one host sync per step: the loss and grad norm the guard needs.
-        # Under pp only the last stage's ranks (world / pp of them) hold a loss; the others add zero.
-        # The preemption flags ride along (their sum is above 0 if any rank got a SIGTERM): no collective
-        # of their own.
-        reduced = all_reduce_sum(torch.stack([loss_sum, torch.tensor(PREEMPTION.requested, device=loss_sum.device)]))
-        loss_sum = reduced[0] / (parts * self.env.world_size // self.layout.pp)
-        train_loss, grad_norm, stops = torch.stack([loss_sum, grad_norm.to(loss_sum), reduced[1]]).tolist()
-        self.state["stop_requested"] = stops > 0
-        compute = self.clock.seconds()  # after the sync above: the GPU timing events are complete
-        self.stragglers.record(compute)
-
-        self.heartbeat.beat("optimizer")
-        anomaly = self.guard.check(train_loss, grad_norm) if self.safe.numerics != "none" else None
-        if anomaly is None:
-            self.optimizer.step()
-            self.guard.accept(train_loss)
-        else:
-            self._emit("anomaly", step=step, anomaly=anomaly, loss=train_loss, grad_norm=grad_norm)
-            if self._rollback(step):
-                return None
-            self._emit("step_skipped", step=step, anomaly=anomaly)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.state["train_loss"] = train_loss
-        return {"step": step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm, "compute_seconds": compute,
-                "data_seconds": data_seconds,
-                **({"skipped": anomaly} if anomaly else {})}
-
-    def _pipeline_step(self, step: int, micro_batches) -> torch.Tensor:
-        """Forward and backward of the step's whole share through the pipeline (which splits it into
-        parallel.pp_microbatches micro-batches); the sum of their mean losses on the last stage, else 0."""
-        self.heartbeat.beat("forward")
-        inputs = torch.cat([x for x, _ in micro_batches]).to(self.env.device, non_blocking=True)
-        targets = torch.cat([y for _, y in micro_batches]).to(self.env.device, non_blocking=True)
-        with self.clock.measure():
-            self.faults.in_forward(step)
-            with self.autocast():
-                return self.pipeline.train_step(inputs, targets, poison=self.faults.nan_loss(step))
+        hooks = SupervisedStep(self, step)
+        train_step(self.model, self.optimizer, self.params, micro_batches, device=self.env.device,
+                   grad_clip=self.tc.grad_clip, autocast=self.autocast, shard=self.split.shard,
+                   measure=self.clock.measure, pipeline=self.pipeline, pp_group=self.pp_group, hooks=hooks)
+        if hooks.rolled_back:
+            return None
+        self.state["train_loss"] = hooks.train_loss
+        return {"step": step, "loss": hooks.train_loss, "lr": lr, "grad_norm": hooks.grad_norm,
+                "compute_seconds": hooks.compute_seconds, "data_seconds": data_seconds,
+                **({"skipped": hooks.anomaly} if hooks.anomaly else {})}
 
     # -- evaluation, checkpoints, recovery -----------------------------------------------------------
     def _evaluate(self, step: int) -> dict[str, Any]:
@@ -471,6 +420,49 @@ class Trainer:
         if self.env.is_main:
             RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=1))
         return summary
+
+
+class SupervisedStep(StepHooks):
+    """How the trainer's supervision reaches one step: heartbeats at each phase, the fault drills, and
+    the decision to apply the update, taken on the loss and gradient norm all ranks agree on (one small
+    all-reduce, which also carries the preemption flags) by the numerics guard."""
+
+    def __init__(self, trainer: Trainer, step: int):
+        self.trainer, self.step = trainer, step
+        self.train_loss = self.grad_norm = self.compute_seconds = 0.0
+        self.anomaly: str | None = None
+        self.rolled_back = False
+
+    def phase(self, name: str) -> None:
+        self.trainer.heartbeat.beat(name)
+
+    def first_forward(self) -> None:
+        self.trainer.faults.in_forward(self.step)
+
+    def poison_loss(self) -> bool:
+        return self.trainer.faults.nan_loss(self.step)
+
+    def apply_update(self, loss_sum: torch.Tensor, parts: int, grad_norm: torch.Tensor) -> bool:
+        t = self.trainer
+        # Under pp only the last stage's ranks (world / pp of them) hold a loss; the others add zero. The
+        # preemption flags ride along (their sum is above 0 if any rank got a SIGTERM): no collective of
+        # their own, and one host sync per step.
+        reduced = all_reduce_sum(torch.stack([loss_sum, torch.tensor(PREEMPTION.requested, device=loss_sum.device)]))
+        loss_sum = reduced[0] / (parts * t.env.world_size // t.layout.pp)
+        self.train_loss, self.grad_norm, stops = torch.stack([loss_sum, grad_norm.to(loss_sum), reduced[1]]).tolist()
+        t.state["stop_requested"] = stops > 0
+        self.compute_seconds = t.clock.seconds()  # after the sync above: the GPU timing events are complete
+        t.stragglers.record(self.compute_seconds)
+        self.anomaly = t.guard.check(self.train_loss, self.grad_norm) if t.safe.numerics != "none" else None
+        if self.anomaly is None:
+            t.guard.accept(self.train_loss)
+            return True
+        t._emit("anomaly", step=self.step, anomaly=self.anomaly, loss=self.train_loss, grad_norm=self.grad_norm)
+        if t._rollback(self.step):
+            self.rolled_back = True
+        else:
+            t._emit("step_skipped", step=self.step, anomaly=self.anomaly)
+        return False
 
 
 def resume_path(config: Config, env: DistEnv, events: JsonlEventSink | None = None) -> Path | None:
