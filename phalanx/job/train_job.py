@@ -35,7 +35,7 @@ from phalanx.run.records import read_metrics
 from phalanx.run.resolved import resolved
 from phalanx.safe.goodput import run_report
 from phalanx.train.checkpoint_space import free_now, low_space_warning
-from phalanx.train.trainer import check_run
+from phalanx.train.resume import check_run
 
 
 def check_job(config: Config, spec: LaunchSpec) -> None:

@@ -155,8 +155,9 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     root = RunDir(config.run_dir).checkpoints
 
     def newest_step() -> int | None:
-        """Where a restart would resume: the newest checkpoint on disk, or the ranks' in-memory snapshot
-        of a newer step (what the restart notice says, and the progress the crash-loop guard counts)."""
+        """The agent's estimate of where a restart resumes (the restart notice, and the progress the
+        crash-loop guard counts): train/resume.py's order on the same files, without verifying them (the
+        ranks do, and their checkpoint_loaded event says what they chose)."""
         if one_shot is not None:
             return None  # a one-shot job makes no checkpoints
         newest = latest_checkpoint(root)

@@ -1,8 +1,10 @@
 """The training loop. Every rank runs `train(config)`; rank 0 also writes the run's files.
 
 Read top to bottom: `Trainer.__init__` sets up (data, model, parallelism, optimizer, safety), `run`
-resumes and loops over steps, `_step` is one optimizer step (micro-batches with gradient accumulation,
-clipping, the numerics guard, the update), then evaluation, checkpoints and the summary.
+resumes (where from is train/resume.py's decision) and loops over steps, `_step` feeds one step
+(train/step.py: micro-batches with gradient accumulation, clipping, the update) with the supervision that
+reaches it through SupervisedStep's hooks (heartbeats, fault drills, the numerics guard), then evaluation,
+checkpoints and the summary.
 """
 
 from __future__ import annotations
@@ -18,46 +20,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from phalanx.config.schema import Config
 from phalanx.data.loader import BatchLoader, TokenDataset, check_batch_sizes
-from phalanx.data.prepare import PreparedData
-from phalanx.errors import PhalanxError, PreemptedError
+from phalanx.errors import PreemptedError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
-from phalanx.parallel.context_parallel import check_cp, context_split
+from phalanx.parallel.context_parallel import context_split
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib
-from phalanx.parallel.distributed import DistEnv, all_reduce_sum, init_distributed, teardown
+from phalanx.parallel.distributed import (
+    DistEnv,
+    all_reduce_sum,
+    init_distributed,
+    teardown,
+)
 from phalanx.parallel.mesh import build_mesh, dp_coordinate, resolve_layout
 from phalanx.parallel.pipeline import Pipeline, check_pipeline, microbatches
-from phalanx.parallel.tensor_parallel import check_tp
-from phalanx.run.checkpoints import (
-    check_model_shape,
-    incomplete_checkpoints,
-    list_checkpoints,
-    newest_valid_checkpoint,
-    read_trainer_state,
-    verify_checkpoint,
-)
 from phalanx.run.jsonl import JsonlSink, MetricsSink, NullSink, json_safe
 from phalanx.run.layout import RunDir, step_dir_name
 from phalanx.run.prepare import prepared_data
 from phalanx.run.records import JsonlEventSink
-from phalanx.run.safe_dcp import check_metadata
 from phalanx.safe.heartbeat import Heartbeat
 from phalanx.safe.inject import FaultInjector
 from phalanx.safe.numerics import NumericsGuard
 from phalanx.safe.preemption import PREEMPTION
 from phalanx.safe.stacks import register_stack_dump
 from phalanx.safe.stragglers import ComputeClock, StragglerDetector
-from phalanx.train.checkpoint import Checkpointer, SaveOutcome, verify_in_parallel
+from phalanx.train.checkpoint import Checkpointer, SaveOutcome
 from phalanx.train.evaluate import Evaluator
 from phalanx.train.memory_checkpoint import MemorySnapshots, remove_rank
 from phalanx.train.optim import build_optimizer, lr_at
-from phalanx.train.step import StepHooks, train_step
 from phalanx.train.progress import ProgressLine, notice
+from phalanx.train.resume import ResumePoint, checkpoint_step_of, resume_point
+from phalanx.train.step import StepHooks, train_step
 
 
 def train(config: Config, attempt: int = 0) -> dict[str, Any]:
@@ -156,12 +152,10 @@ class Trainer:
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         tc = self.tc
-        path = resume_path(self.config, self.env, self.events)
-        step = self._resume_memory(path)
-        if step is None:
-            step = self._resume(path)
-            if path is not None:
-                notice(f"resuming from step {step} (checkpoint {path})", self.env.is_main)
+        point = self._resume()
+        if point.source != "start":
+            notice(point.describe(), self.env.is_main)
+        step = point.step
         self.progress = ProgressLine(tc.max_steps, step, enabled=self.env.is_main)
         if step == 0:
             notice("evaluating at step 0", self.env.is_main)
@@ -326,44 +320,22 @@ class Trainer:
         self.progress.log(f"step {outcome.step}: checkpoint save failed ({outcome.result}); training goes on")
         return False
 
-    def _resume(self, path: Path | None) -> int:
-        if path is None:
-            return 0
-        check_model_shape(path, dataclasses.asdict(self.args))
-        self.heartbeat.beat("checkpoint")
-        t0 = time.perf_counter()
-        self._resumed(self.checkpointer.load(path, self.model, self.optimizer))
-        self.last_checkpoint = str(path)
-        self._emit("checkpoint_loaded", step=self.state["step"], seconds=time.perf_counter() - t0, path=str(path),
-                   source="disk")
-        return self.state["step"]
-
-    def _resume_memory(self, path: Path | None, announce: bool = True) -> int | None:
-        """Resume from the newest in-memory snapshot every rank has, if newer than checkpoint `path`; its
-        step, or None to resume from disk. The snapshots are this launch's own (memory_checkpoint.py)."""
-        if self.config.checkpoint.memory_interval == 0:
-            return None
-        self.heartbeat.beat("checkpoint")
-        disk_step = int(read_trainer_state(path)["step"]) if path is not None else 0
-        loaded = self.snapshots.resume(self.model, self.optimizer, disk_step, dataclasses.asdict(self.args))
-        if loaded is None:
-            return None
-        self._resumed(loaded.state)
-        self.last_checkpoint = str(path) if path is not None else None  # the newest on disk, as before
-        self._emit("checkpoint_loaded", step=loaded.step, seconds=loaded.seconds, path=str(loaded.path),
-                   source="memory", disk_step=disk_step)
-        if announce:
-            notice(f"resuming from the in-memory snapshot of step {loaded.step} (newest checkpoint on disk: "
-                   f"{f'step {disk_step}' if path is not None else 'none'})", self.env.is_main)
-        return loaded.step
-
-    def _resumed(self, state: dict[str, Any]) -> None:
-        """The trainer state a checkpoint or snapshot restored (the model, optimizer and RNG already are)."""
-        self.state = state
+    def _resume(self) -> ResumePoint:
+        """Continue from where train/resume.py decides (a snapshot, a checkpoint, or step 0)."""
+        point = resume_point(self.config, self.env, self.events, self.model, self.optimizer, self.checkpointer,
+                             self.snapshots, dataclasses.asdict(self.args), self.heartbeat)
+        self.last_checkpoint = str(point.newest_on_disk) if point.newest_on_disk else None
+        if point.source == "start":
+            return point
+        self.state = point.state
         self.loader.load_state_dict(self.state["loader"])
         self.guard.reset(self.state.get("numerics_recent", []))
         self.state["resumed_step"] = self.state["step"]
         self.snapshots.discard_after(self.state["step"])
+        self._emit("checkpoint_loaded", step=point.step, seconds=point.seconds, path=str(point.loaded_from),
+                   source=point.source, **({"disk_step": checkpoint_step_of(point.newest_on_disk)
+                                             if point.newest_on_disk else 0} if point.source == "memory" else {}))
+        return point
 
     def _rollback(self, step: int) -> bool:
         """Go back to the newest sound state, an in-memory snapshot when one is newer than the newest
@@ -371,13 +343,10 @@ class Trainer:
         if self.safe.numerics != "rollback" or step in self.rolled_back_at:
             return False
         self._report_save(self.checkpointer.finish(wait=True))  # the newest save counts too
-        path = resume_path(self.config, self.env, self.events)  # verified, as for a restart
         self.snapshots.flush()  # the newest snapshot's sidecar, so that it counts
         self.optimizer.zero_grad(set_to_none=True)
-        if self._resume_memory(path, announce=False) is None:  # (the rollback says its own line)
-            if path is None:
-                return False
-            self._resume(path)
+        if self._resume().source == "start":  # nothing saved yet to go back to (the rollback says its own line)
+            return False
         self.rolled_back_at.add(step)
         self._emit("rollback", step=step, to_step=self.state["step"])
         self.progress.log(f"step {step}: numerics guard rolled back to step {self.state['step']}")
@@ -463,88 +432,6 @@ class SupervisedStep(StepHooks):
         else:
             t._emit("step_skipped", step=self.step, anomaly=self.anomaly)
         return False
-
-
-def resume_path(config: Config, env: DistEnv, events: JsonlEventSink | None = None) -> Path | None:
-    """The checkpoint the ranks continue from, the same on every rank, on any attempt.
-
-    The run directory's newest sound checkpoint: with `checkpoint.resume` set to `never` or a path, the
-    launcher moved older ones aside (run.prepare.start_timeline), so whatever is there was written by this
-    launch, and restarts or a re-formed group continue from it. With none there, `never` starts at step
-    0 and a path loads that checkpoint. Every rank checks its share of a candidate's files against the
-    manifest, in parallel (the directory is shared); rank 0 sets corrupt ones aside and says so, on the
-    console and as an event each, and names step directories without a manifest, which it skips. When
-    corrupt checkpoints leave none to resume from, starting over at step 0 needs checkpoint.resume=never:
-    otherwise the ranks stop with the reason (exit 2) rather than retrain silently.
-    """
-    root = RunDir(config.run_dir).checkpoints
-    corrupt: list[str] = []
-
-    def report(path: Path, reason: str) -> None:
-        corrupt.append(f"{path.name}: {reason}")
-        _warn(f"checkpoint {path} is corrupt ({reason}); set aside as corrupt-{path.name}")
-        if events is not None:
-            events.emit("checkpoint_corrupt", rank=0, path=str(path), reason=reason)
-
-    if env.is_main:
-        for path in incomplete_checkpoints(root):
-            _warn(f"{path} has no manifest (a save never finishes without one); it is skipped")
-            if events is not None:
-                events.emit("checkpoint_incomplete", rank=0, path=str(path))
-    found: list[Any] = [newest_valid_checkpoint(root, report if env.is_main else None,
-                                                verify=lambda path: verify_in_parallel(path, env))]
-    if env.is_main and found[0] is None:
-        found[0] = explicit_checkpoint(config)
-        if found[0] is None and corrupt and config.checkpoint.resume != "never":
-            raise PhalanxError(f"no sound checkpoint is left to resume from ({'; '.join(corrupt)}); set "
-                               "checkpoint.resume=never to start over from step 0")
-    if env.distributed:
-        dist.broadcast_object_list(found, src=0)
-    return found[0]
-
-
-def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-def explicit_checkpoint(config: Config) -> Path | None:
-    """The checkpoint named by `checkpoint.resume` (which must be sound), or None for auto and never."""
-    if config.checkpoint.resume in ("auto", "never"):
-        return None
-    path = Path(config.checkpoint.resume)
-    read_trainer_state(path)  # a clear error now rather than deep inside DCP
-    reason = verify_checkpoint(path)
-    if reason:
-        raise PhalanxError(f"checkpoint {path} cannot be trusted: {reason}")
-    return path
-
-
-def check_run(config: Config, data: PreparedData) -> Path | None:
-    """What the ranks would refuse, checked once before they start, so it is one line from the launcher:
-    the model's shape, data enough for a sequence, and the shape and safe metadata of the checkpoint it
-    would resume (the newest whose trainer state reads; the ranks verify its files), which it returns."""
-    shape = model_args(config.model, data.vocab_size, config.train.seq_len)
-    if config.parallel.tp > 1:
-        check_tp(shape, config.parallel.tp)
-    if config.parallel.pp > 1:  # a set micro-batch size does not depend on the ranks: checked here too
-        check_pipeline(shape, config.parallel, config.train.micro_batch_size)
-    check_cp(config.parallel.cp, config.train.seq_len, config.train.compile)
-    args = dataclasses.asdict(shape)
-    TokenDataset(data.train_shards, config.train.seq_len, "the training split")
-    TokenDataset(data.val_shards, config.train.seq_len, "the validation split")
-    for path in reversed(list_checkpoints(RunDir(config.run_dir).checkpoints)):
-        try:
-            read_trainer_state(path)
-        except PhalanxError:
-            continue  # unreadable: the ranks will set it aside
-        check_model_shape(path, args)
-        check_metadata(path)  # a crafted checkpoint is refused here, before any rank could open it
-        return path
-    explicit = explicit_checkpoint(config)
-    if explicit is not None:
-        check_model_shape(explicit, args)
-        check_metadata(explicit)
-    return explicit
 
 
 def attempt_number() -> int:
