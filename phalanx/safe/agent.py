@@ -15,6 +15,10 @@ This subclass adds what it lacks:
   - a full /dev/shm: warm-started ranks need a few POSIX semaphores there (torch's process context
     makes them), so when it has no room left the attempt's ranks start as fresh interpreters instead;
   - every attempt, failure, hang and restart is an event in RUN_DIR/events.jsonl.
+
+This is the one module that overrides private methods of torch's agent (and wraps its process context);
+tests/safe/test_torch_private_api.py lists each override with its reason and fails by name when a torch
+upgrade changes what they rely on.
 """
 
 from __future__ import annotations
