@@ -72,11 +72,16 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gb = size / 1e9
-    report = {"preset": args.preset, "checkpoint_gb": round(gb, 3), "repeats": args.repeats,
-              "sync_stall_s": round(statistics.median(sync), 3), "async_stall_s": round(statistics.median(stall), 3),
-              "async_write_s": round(statistics.median(write), 3),
-              "save_gb_per_s": round(gb / statistics.median(sync), 3),
-              "verify_gb_per_s": round(gb / statistics.median(verify), 3)}
+    report = {
+        "preset": args.preset,
+        "checkpoint_gb": round(gb, 3),
+        "repeats": args.repeats,
+        "sync_stall_s": round(statistics.median(sync), 3),
+        "async_stall_s": round(statistics.median(stall), 3),
+        "async_write_s": round(statistics.median(write), 3),
+        "save_gb_per_s": round(gb / statistics.median(sync), 3),
+        "verify_gb_per_s": round(gb / statistics.median(verify), 3),
+    }
     print(json.dumps(report))
 
 

@@ -70,14 +70,29 @@ class MinimalGPT(nn.Module):
 
 
 def phalanx_args() -> ModelArgs:
-    return ModelArgs(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=HEADS, ffn_dim=FFN, vocab_size=VOCAB,
-                     max_seq_len=CONTEXT, rope_theta=10000.0, tie_embeddings=True)
+    return ModelArgs(
+        dim=DIM,
+        n_layers=LAYERS,
+        n_heads=HEADS,
+        n_kv_heads=HEADS,
+        ffn_dim=FFN,
+        vocab_size=VOCAB,
+        max_seq_len=CONTEXT,
+        rope_theta=10000.0,
+        tie_embeddings=True,
+    )
 
 
 def make_phalanx(compiled: bool):
     torch.manual_seed(0)
-    model = parallelize(Transformer(phalanx_args()), "none", DistEnv(0, 1, 0, torch.device("cpu"), None),
-                        activation_checkpointing=False, compile=compiled, dtype=torch.float32)
+    model = parallelize(
+        Transformer(phalanx_args()),
+        "none",
+        DistEnv(0, 1, 0, torch.device("cpu"), None),
+        activation_checkpointing=False,
+        compile=compiled,
+        dtype=torch.float32,
+    )
     train = TrainSection(seq_len=CONTEXT, micro_batch_size=BATCH, global_batch_size=BATCH)
     optimizer = build_optimizer(model, train)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -102,8 +117,9 @@ def make_minimal(compiled: bool):
     forward = torch.compile(model) if compiled else model
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                                  lr=3e-3, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=3e-3, betas=(0.9, 0.95)
+    )
 
     def step(inputs, targets, bf16):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -127,7 +143,7 @@ def run_mode(mode: str, rounds: int, steps: int, warmup: int) -> dict:
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     systems = {"phalanx": make_phalanx(compiled), "minimal": make_minimal(compiled)}
     times = {name: [] for name in systems}
-    for name, (_, step) in systems.items():
+    for _, step in systems.values():
         for _ in range(warmup):
             step(inputs, targets, bf16)
     for _ in range(rounds):
@@ -141,9 +157,13 @@ def run_mode(mode: str, rounds: int, steps: int, warmup: int) -> dict:
     for name, (model, _) in systems.items():
         median = statistics.median(times[name])
         tps = BATCH * CONTEXT / median
-        out[name] = {"params": sum(p.numel() for p in model.parameters()), "median_step_s": round(median, 4),
-                     "steps": [round(t, 3) for t in times[name]], "tokens_per_s": round(tps, 1),
-                     "tflops": round(tps * fpt / 1e12, 4)}
+        out[name] = {
+            "params": sum(p.numel() for p in model.parameters()),
+            "median_step_s": round(median, 4),
+            "steps": [round(t, 3) for t in times[name]],
+            "tokens_per_s": round(tps, 1),
+            "tflops": round(tps * fpt / 1e12, 4),
+        }
     out["speedup"] = round(out["minimal"]["median_step_s"] / out["phalanx"]["median_step_s"], 3)
     return out
 
@@ -168,7 +188,7 @@ def matmul_gflops() -> float:
     t0 = time.perf_counter()
     for _ in range(5):
         a @ b
-    return 5 * 2 * 2048 ** 3 / (time.perf_counter() - t0) / 1e9
+    return 5 * 2 * 2048**3 / (time.perf_counter() - t0) / 1e9
 
 
 def main() -> None:

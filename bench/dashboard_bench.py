@@ -45,8 +45,10 @@ def timed(fn, tries: int) -> tuple[tuple[list[float], list[float]], object]:
 def report(label: str, times: tuple[list[float], list[float]]) -> None:
     wall, cpu = (sorted(t * 1000 for t in ts) for ts in times)
     p90 = wall[min(len(wall) - 1, int(0.9 * len(wall)))]
-    print(f"{label:<28} wall median {statistics.median(wall):6.1f} ms  p90 {p90:6.1f} ms  max {wall[-1]:6.1f} ms"
-          f"   cpu median {statistics.median(cpu):6.1f} ms")
+    print(
+        f"{label:<28} wall median {statistics.median(wall):6.1f} ms  p90 {p90:6.1f} ms  max {wall[-1]:6.1f} ms"
+        f"   cpu median {statistics.median(cpu):6.1f} ms"
+    )
 
 
 def main() -> None:
@@ -59,8 +61,10 @@ def main() -> None:
     store = RunStore(store_url(args.store, Path(tempfile.mkdtemp())))
     t0 = time.perf_counter()
     run_id = fill(store, args.steps, args.ranks)
-    print(f"filled {args.steps:,} steps x {args.ranks} ranks in {time.perf_counter() - t0:.1f} s "
-          f"({store.engine.dialect.name}); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"filled {args.steps:,} steps x {args.ranks} ranks in {time.perf_counter() - t0:.1f} s "
+        f"({store.engine.dialect.name}); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
 
     times, _ = timed(lambda: run_page_data(store, run_id), args.tries)
     report("page data", times)
@@ -72,9 +76,11 @@ def main() -> None:
         times, response = timed(lambda: client.get(f"/api/runs/{run_id}"), args.tries)
         report(f"GET /api/runs/{run_id}", times)
         figures = response.json()["figures"]
-        print(f"{'':<28} {len(response.content) / 1024:.0f} KiB JSON ({response.num_bytes_downloaded / 1024:.0f} KiB "
-              f"gzipped); {len(figures['loss']['data'][0]['x'])} loss "
-              f"points, heatmap {len(figures['heatmap']['data'][0]['y'])} x {len(figures['heatmap']['data'][0]['x'])}")
+        print(
+            f"{'':<28} {len(response.content) / 1024:.0f} KiB JSON ({response.num_bytes_downloaded / 1024:.0f} KiB "
+            f"gzipped); {len(figures['loss']['data'][0]['x'])} loss "
+            f"points, heatmap {len(figures['heatmap']['data'][0]['y'])} x {len(figures['heatmap']['data'][0]['x'])}"
+        )
         times, _ = timed(lambda: client.get("/api/runs"), args.tries)
         report("GET /api/runs", times)
         times, _ = timed(lambda: client.get(f"/api/compare?ids={run_id}"), args.tries)

@@ -35,19 +35,26 @@ def main() -> None:
     parser.add_argument("--stall", type=float, default=3.0, help="training stall per save, seconds")
     parser.add_argument("--interval-min", type=float, default=30.0, help="fixed checkpoint interval, minutes")
     args = parser.parse_args()
-    costs = RecoveryCosts(detection=(args.crash_detect + args.hang_detect) / 2,
-                          restart=(args.crash_restart + args.hang_restart) / 2, load=args.load,
-                          save_stall=args.stall)
+    costs = RecoveryCosts(
+        detection=(args.crash_detect + args.hang_detect) / 2,
+        restart=(args.crash_restart + args.hang_restart) / 2,
+        load=args.load,
+        save_stall=args.stall,
+    )
     fixed = args.interval_min * 60
-    print(f"costs per fault: detection {costs.detection:.2f} s, restart {costs.restart:.2f} s, load {costs.load:.2f} s;"
-          f" save stall {costs.save_stall:.2f} s")
+    print(
+        f"costs per fault: detection {costs.detection:.2f} s, restart {costs.restart:.2f} s, load {costs.load:.2f} s;"
+        f" save stall {costs.save_stall:.2f} s"
+    )
     print(f"| GPUs | MTBF | ETTR, save every {args.interval_min:g} min | best interval | ETTR at best |")
     print("|---|---|---|---|---|")
     for gpus in SIZES:
         best = best_interval(costs, gpus)
         mtbf_h = LLAMA3_GPUS / gpus * LLAMA3_HOURS_PER_INTERRUPTION
-        print(f"| {gpus:,} | {mtbf_h:,.1f} h | {projected_ettr(costs, fixed, gpus):.3f} | {best / 60:,.1f} min | "
-              f"{projected_ettr(costs, best, gpus):.3f} |")
+        print(
+            f"| {gpus:,} | {mtbf_h:,.1f} h | {projected_ettr(costs, fixed, gpus):.3f} | {best / 60:,.1f} min | "
+            f"{projected_ettr(costs, best, gpus):.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -31,11 +31,29 @@ LAYOUTS = {
 
 
 def step_time(runs: Path, name: str, preset: str, steps: int, seq_len: int, layout: list[str]) -> float:
-    args = [sys.executable, "-m", "phalanx", "train", "demo", f"model.preset={preset}", "model.tie_embeddings=false",
-            f"train.max_steps={steps}", f"train.seq_len={seq_len}", "train.global_batch_size=8",
-            f"train.eval_interval={steps}", "train.eval_batches=1", f"checkpoint.interval={steps}",
-            "safe.preflight=off", f"run.dir={runs}", f"run.name={name}", "checkpoint.resume=never", *layout,
-            "--nproc", "2", "--json"]
+    args = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "train",
+        "demo",
+        f"model.preset={preset}",
+        "model.tie_embeddings=false",
+        f"train.max_steps={steps}",
+        f"train.seq_len={seq_len}",
+        "train.global_batch_size=8",
+        f"train.eval_interval={steps}",
+        "train.eval_batches=1",
+        f"checkpoint.interval={steps}",
+        "safe.preflight=off",
+        f"run.dir={runs}",
+        f"run.name={name}",
+        "checkpoint.resume=never",
+        *layout,
+        "--nproc",
+        "2",
+        "--json",
+    ]
     subprocess.run(args, check=True, capture_output=True, text=True, timeout=3600)
     lines = read_metrics(runs / name)
     seconds = [m["step_seconds"] for m in lines if "step_seconds" in m and m["step"] > 2]

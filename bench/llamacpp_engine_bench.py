@@ -26,9 +26,9 @@ from phalanx.data.tokenizer import train_tokenizer
 from phalanx.export.gguf_export import write_gguf
 from phalanx.models.llama import ModelArgs, Transformer
 from phalanx.run.model_loader import LoadedModel
-from phalanx.serve.engines.torch_engine import Engine
-from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine
 from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine
+from phalanx.serve.engines.torch_engine import Engine
 
 SHAPES = {  # tiny: the serving tests' run; small: a few million parameters, where matmuls start to count
     "tiny": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 160, "vocab_size": 384},
@@ -75,12 +75,22 @@ def main() -> None:
         write_gguf(LoadedModel(model, tokenizer, Path(tmp)), gguf, "bench")
         engines = {
             "torch f32": Engine(model, tokenizer, slots=slots, max_queue=0, context=256),
-            "llama.cpp f32 KV": LlamaCppEngine(gguf, tokenizer, slots=slots, max_queue=0, context=256,
-                                               threads=a.threads, kv_dtype="f32"),
-            "llama.cpp f16 KV": LlamaCppEngine(gguf, tokenizer, slots=slots, max_queue=0, context=256,
-                                               threads=a.threads, kv_dtype="f16"),
-            "llama.cpp f16 KV unified": LlamaCppEngine(gguf, tokenizer, slots=slots, max_queue=0, context=256,
-                                                       threads=a.threads, kv_dtype="f16", unified_kv=True),
+            "llama.cpp f32 KV": LlamaCppEngine(
+                gguf, tokenizer, slots=slots, max_queue=0, context=256, threads=a.threads, kv_dtype="f32"
+            ),
+            "llama.cpp f16 KV": LlamaCppEngine(
+                gguf, tokenizer, slots=slots, max_queue=0, context=256, threads=a.threads, kv_dtype="f16"
+            ),
+            "llama.cpp f16 KV unified": LlamaCppEngine(
+                gguf,
+                tokenizer,
+                slots=slots,
+                max_queue=0,
+                context=256,
+                threads=a.threads,
+                kv_dtype="f16",
+                unified_kv=True,
+            ),
         }
         for engine in engines.values():
             engine.start()
@@ -93,8 +103,10 @@ def main() -> None:
         for engine in engines.values():
             engine.stop()
     params = sum(p.numel() for p in model.parameters())
-    print(f"{a.shape} model ({params / 1e6:.2f}M parameters), {a.tokens} greedy tokens per stream, {a.threads} "
-          f"thread(s), {a.rounds} interleaved rounds; aggregate tokens/s, median (min-max):")
+    print(
+        f"{a.shape} model ({params / 1e6:.2f}M parameters), {a.tokens} greedy tokens per stream, {a.threads} "
+        f"thread(s), {a.rounds} interleaved rounds; aggregate tokens/s, median (min-max):"
+    )
     print("| streams | per | " + " | ".join(engines) + " |")
     print("|---|---|" + "---|" * len(engines))
     for n in a.streams:

@@ -24,10 +24,23 @@ import tempfile
 import time
 from pathlib import Path
 
-TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=160",
-        "model.max_seq_len=64", "data.vocab_size=384", "train.seq_len=32", "train.global_batch_size=8",
-        "train.micro_batch_size=4", "train.max_steps=24", "train.warmup_steps=2", "train.eval_interval=1000",
-        "checkpoint.interval=4", "checkpoint.keep=10"]
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=160",
+    "model.max_seq_len=64",
+    "data.vocab_size=384",
+    "train.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.max_steps=24",
+    "train.warmup_steps=2",
+    "train.eval_interval=1000",
+    "checkpoint.interval=4",
+    "checkpoint.keep=10",
+]
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -40,8 +53,12 @@ def steps(run_dir: Path) -> list[dict]:
 
 
 def train(args: list[str], extra: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "phalanx", "train", *args, *extra, "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "train", *args, *extra, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen) -> dict:
@@ -61,8 +78,11 @@ def ranks_of_ray_node(node: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and b"phalanx.train.worker" in (entry / "cmdline").read_bytes() and \
-                    f"PHALANX_RAY_NODE={node}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+            if (
+                entry.name.isdigit()
+                and b"phalanx.train.worker" in (entry / "cmdline").read_bytes()
+                and f"PHALANX_RAY_NODE={node}".encode() in (entry / "environ").read_bytes().split(b"\0")
+            ):
                 found.append(int(entry.name))
         except OSError:
             continue
@@ -85,8 +105,13 @@ def kill_to_first_step(args: list[str], extra: list[str], run_dir: Path, at_step
     again = next(e["time"] for e in events if e["kind"] == "training_started" and e["time"] > killed)
     first = next(m["time"] for m in steps(run_dir) if m["time"] > again)
     replaced = next(e["time"] for e in events if e["kind"] == "node_replaced")
-    return {"to_detection": detected - killed, "to_replacement_agent": replaced - killed,
-            "to_first_step": first - killed, "restarts": summary["restarts"], "steps": summary["steps"]}
+    return {
+        "to_detection": detected - killed,
+        "to_replacement_agent": replaced - killed,
+        "to_first_step": first - killed,
+        "restarts": summary["restarts"],
+        "steps": summary["steps"],
+    }
 
 
 def main() -> None:
@@ -103,16 +128,29 @@ def main() -> None:
     from phalanx.data.corpus import iter_documents, resolve_sources
 
     corpus = runs / "plays.txt"
-    sources = [s for s in resolve_sources(["builtin:shakespeare"], Path.cwd())
-               if s.path.stem in ("romeo-and-juliet", "macbeth")]
+    sources = [
+        s
+        for s in resolve_sources(["builtin:shakespeare"], Path.cwd())
+        if s.path.stem in ("romeo-and-juliet", "macbeth")
+    ]
     corpus.write_text("\n\n".join(iter_documents(sources)))
     base = TINY + [f"data.sources=[{corpus}]", f"run.dir={runs}"]
-    subprocess.run([sys.executable, "-m", "phalanx", "data", "prepare", *base, "run.name=prepare", "--json"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "phalanx", "data", "prepare", *base, "run.name=prepare", "--json"],
+        check=True,
+        capture_output=True,
+    )
 
     t0 = time.monotonic()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1},
-                                                            "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"node_a": 1},
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+        },
+    )
     cluster.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
     cluster_start = time.monotonic() - t0
     ray_args = ["--launcher", "ray", "--ray-address", cluster.address, "--nnodes", "2", "--nproc", "1"]
@@ -140,9 +178,11 @@ def main() -> None:
         print(f"\n| launch | command to first step (median of {options.repeats}) |\n|---|---|")
         print(f"| local, `--nproc 2` | {med(local):.1f} s |")
         print(f"| Ray, `--nnodes 2 --nproc 1` (cluster up) | {med(on_ray):.1f} s |")
-    print(f"\nnode 1's agent killed: detection {med(k['to_detection'] for k in kills):.2f} s, replacement agent "
-          f"up {med(k['to_replacement_agent'] for k in kills):.2f} s, first step after recovery "
-          f"{med(k['to_first_step'] for k in kills):.1f} s (medians); Ray cluster start {cluster_start:.1f} s")
+    print(
+        f"\nnode 1's agent killed: detection {med(k['to_detection'] for k in kills):.2f} s, replacement agent "
+        f"up {med(k['to_replacement_agent'] for k in kills):.2f} s, first step after recovery "
+        f"{med(k['to_first_step'] for k in kills):.1f} s (medians); Ray cluster start {cluster_start:.1f} s"
+    )
 
 
 if __name__ == "__main__":

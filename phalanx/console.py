@@ -27,8 +27,12 @@ def say(message: str) -> None:
     """One line on stderr of what a command is doing (stdout stays for results and --json)."""
     err.print(message, markup=False, highlight=False, soft_wrap=True)
 
-ArgsArg = typer.Argument(None, metavar="[CONFIG] [SECTION.KEY=VALUE]...",
-                         help="A YAML file or preset name (default: the demo), then overrides.")
+
+ArgsArg = typer.Argument(
+    None,
+    metavar="[CONFIG] [SECTION.KEY=VALUE]...",
+    help="A YAML file or preset name (default: the demo), then overrides.",
+)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object for machines.")
 
 
@@ -40,8 +44,14 @@ def split_config_args(args: list[str] | None) -> tuple[str | None, list[str]]:
     return None, args
 
 
-def fitted_table(title: str, columns: list[str], rows: list[list[str]], drop_first: tuple[str, ...] = (),
-                 right: tuple[str, ...] = (), console: Console | None = None) -> Table:
+def fitted_table(
+    title: str,
+    columns: list[str],
+    rows: list[list[str]],
+    drop_first: tuple[str, ...] = (),
+    right: tuple[str, ...] = (),
+    console: Console | None = None,
+) -> Table:
     """A table of `rows` that fits the terminal (80 columns where it cannot tell) without cutting cells:
     columns named in `drop_first` are left out, in that order, while it would not fit."""
     from rich.box import SIMPLE_HEAD

@@ -18,30 +18,56 @@ class ExitCode(NamedTuple):
 
 EXIT_CODES = (
     ExitCode("0", "done", False),
-    ExitCode("1", "a rank's own failure (a crash, a checkpoint that would not load), which the node agent "
-                  "restarts; from a command, an unexpected error: rerun with --debug and report it", False),
-    ExitCode("2", "bad input: fix the command or config (or install the extra it names: `pip install "
-                  "'phalanx[serve]'`)", False),
-    ExitCode("3", "crash loop: `safe.crash_loop_restarts` restarts in a row never got past the newest "
-                  "checkpoint", False),
+    ExitCode(
+        "1",
+        "a rank's own failure (a crash, a checkpoint that would not load), which the node agent "
+        "restarts; from a command, an unexpected error: rerun with --debug and report it",
+        False,
+    ),
+    ExitCode(
+        "2",
+        "bad input: fix the command or config (or install the extra it names: `pip install 'phalanx[serve]'`)",
+        False,
+    ),
+    ExitCode(
+        "3", "crash loop: `safe.crash_loop_restarts` restarts in a row never got past the newest checkpoint", False
+    ),
     ExitCode("4", "the run failed again after `safe.max_restarts` restarts", True),
     ExitCode("5", "the job could not form: the rendezvous failed or timed out", True),
-    ExitCode("6", "preflight failed, or this node is quarantined (`phalanx preflight --clear NODE` once fixed)",
-             False),
-    ExitCode("7", "the run store cannot be reached or refused the request (`phalanx runs`, `dashboard`; training "
-                  "itself goes on without the store, with a warning)", True),
-    ExitCode("8", "the run directory's disk is full: the final checkpoint, or the run's own records, could not be "
-                  "written (the message says how much a checkpoint needs); free space and rerun: the same command "
-                  "resumes from the newest saved checkpoint", False),
-    ExitCode("9", "the run directory was deleted or replaced while the job ran: it stopped rather than write "
-                  "checkpoints and records where nobody reads them, and beside a new launch of the same run", False),
-    ExitCode("10", "a rank ran out of memory at the same step on two attempts in a row (the message names the rank, "
-                   "the step and the allocation): every restart would too; make the step need less memory "
-                   "(`train.micro_batch_size`, sharding, activation checkpointing) or run where there is more", False),
-    ExitCode("143", "preempted (SIGTERM): checkpoint saved. Every rank finished its step and the job saved a "
-                    "checkpoint there within `safe.preemption_grace_s`; the same command resumes from that step", True),
-    ExitCode("128 + N", "stopped by signal N (130: Ctrl-C); the same command resumes from the newest checkpoint",
-             True),
+    ExitCode("6", "preflight failed, or this node is quarantined (`phalanx preflight --clear NODE` once fixed)", False),
+    ExitCode(
+        "7",
+        "the run store cannot be reached or refused the request (`phalanx runs`, `dashboard`; training "
+        "itself goes on without the store, with a warning)",
+        True,
+    ),
+    ExitCode(
+        "8",
+        "the run directory's disk is full: the final checkpoint, or the run's own records, could not be "
+        "written (the message says how much a checkpoint needs); free space and rerun: the same command "
+        "resumes from the newest saved checkpoint",
+        False,
+    ),
+    ExitCode(
+        "9",
+        "the run directory was deleted or replaced while the job ran: it stopped rather than write "
+        "checkpoints and records where nobody reads them, and beside a new launch of the same run",
+        False,
+    ),
+    ExitCode(
+        "10",
+        "a rank ran out of memory at the same step on two attempts in a row (the message names the rank, "
+        "the step and the allocation): every restart would too; make the step need less memory "
+        "(`train.micro_batch_size`, sharding, activation checkpointing) or run where there is more",
+        False,
+    ),
+    ExitCode(
+        "143",
+        "preempted (SIGTERM): checkpoint saved. Every rank finished its step and the job saved a "
+        "checkpoint there within `safe.preemption_grace_s`; the same command resumes from that step",
+        True,
+    ),
+    ExitCode("128 + N", "stopped by signal N (130: Ctrl-C); the same command resumes from the newest checkpoint", True),
 )
 
 
@@ -143,7 +169,8 @@ class StoppedBySignal(PhalanxError):
     def __init__(self, signum: int):
         import signal
 
-        super().__init__(f"stopped by {signal.Signals(signum).name}; the ranks were stopped "
-                         "(the same command resumes from the newest checkpoint)")
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name}; the ranks were stopped "
+            "(the same command resumes from the newest checkpoint)"
+        )
         self.exit_code = 128 + int(signum)
-

@@ -43,8 +43,10 @@ def require(extra: str, what: str) -> None:
     every module of it can be imported."""
     absent = missing(extra)
     if absent:
-        raise PhalanxError(f"{what} needs phalanx's {extra} extra ({', '.join(absent)} "
-                           f"{'is' if len(absent) == 1 else 'are'} not installed): pip install 'phalanx[{extra}]'")
+        raise PhalanxError(
+            f"{what} needs phalanx's {extra} extra ({', '.join(absent)} "
+            f"{'is' if len(absent) == 1 else 'are'} not installed): pip install 'phalanx[{extra}]'"
+        )
 
 
 def _importable(name: str) -> bool:

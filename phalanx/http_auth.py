@@ -70,8 +70,13 @@ class FailedAuthLimiter:
     """A token bucket of failures per client, in bounded memory. Thread-safe (the dashboard's sync
     routes run in a thread pool)."""
 
-    def __init__(self, burst: int = FAILURE_BURST, refill_seconds: float = FAILURE_REFILL_SECONDS,
-                 max_clients: int = TRACKED_CLIENTS, clock=time.monotonic):
+    def __init__(
+        self,
+        burst: int = FAILURE_BURST,
+        refill_seconds: float = FAILURE_REFILL_SECONDS,
+        max_clients: int = TRACKED_CLIENTS,
+        clock=time.monotonic,
+    ):
         self.burst, self.refill_seconds, self.max_clients, self.clock = burst, refill_seconds, max_clients, clock
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (tokens, at)
         self._lock = threading.Lock()

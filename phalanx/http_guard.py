@@ -39,7 +39,7 @@ def host_name(authority: str) -> str | None:
     """The name or address of a Host header ("[::1]:8080" -> "::1"), or None if it is malformed."""
     if authority.startswith("["):
         end = authority.find("]")
-        name, rest = (authority[1:end], authority[end + 1:]) if end > 0 else ("", "")
+        name, rest = (authority[1:end], authority[end + 1 :]) if end > 0 else ("", "")
     else:
         name, colon, port = authority.partition(":")
         rest = colon + port
@@ -64,8 +64,11 @@ def normalise_hosts(names: Iterable[str]) -> frozenset[str]:
 
 
 def _configured(name: str, allowed: frozenset[str]) -> bool:
-    return "*" in allowed or name in allowed or any(
-        a.startswith(".") and (name.endswith(a) or name == a[1:]) for a in allowed)
+    return (
+        "*" in allowed
+        or name in allowed
+        or any(a.startswith(".") and (name.endswith(a) or name == a[1:]) for a in allowed)
+    )
 
 
 def host_allowed(name: str, allowed: frozenset[str]) -> bool:
@@ -102,9 +105,14 @@ class HttpGuard:
     """ASGI middleware: refuses foreign Hosts and Origins (403), non-JSON bodies on JSON paths (415), and
     bodies that do not arrive in time (408). `json_paths(path)` says which paths take JSON bodies."""
 
-    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str] = (), refuse: Refuse | None = None,
-                 json_paths: Callable[[str], bool] = lambda path: True,
-                 body_timeout: float = BODY_TIMEOUT_SECONDS):
+    def __init__(
+        self,
+        app: ASGIApp,
+        allowed_hosts: Iterable[str] = (),
+        refuse: Refuse | None = None,
+        json_paths: Callable[[str], bool] = lambda path: True,
+        body_timeout: float = BODY_TIMEOUT_SECONDS,
+    ):
         self.app, self.allowed = app, normalise_hosts(allowed_hosts)
         self.refuse, self.json_paths, self.body_timeout = refuse or _default_refuse, json_paths, body_timeout
 
@@ -116,23 +124,32 @@ class HttpGuard:
         if authority:  # HTTP/1.0 may leave it out; no browser does
             name = host_name(authority)
             if name is None or not host_allowed(name, self.allowed):
-                return 403, (f"requests for host {authority!r} are not answered here; only loopback names, IP "
-                             "addresses and the server's --allowed-host names are")
+                return 403, (
+                    f"requests for host {authority!r} are not answered here; only loopback names, IP "
+                    "addresses and the server's --allowed-host names are"
+                )
         origin = headers.get(b"origin")
         # "null" is also what a browser sends for a page's own form under a strict referrer policy; its
         # Sec-Fetch-Site (which no script can set) then says "same-origin".
         same_origin = headers.get(b"sec-fetch-site") == b"same-origin"
-        if origin is not None and not (origin == b"null" and same_origin) and \
-                not self.origin_allowed(origin.decode("latin-1"), authority):
-            return 403, (f"cross-origin requests (from {origin.decode('latin-1')!r}) are not allowed: this server "
-                         "answers only its own pages and clients that are not browsers")
+        if (
+            origin is not None
+            and not (origin == b"null" and same_origin)
+            and not self.origin_allowed(origin.decode("latin-1"), authority)
+        ):
+            return 403, (
+                f"cross-origin requests (from {origin.decode('latin-1')!r}) are not allowed: this server "
+                "answers only its own pages and clients that are not browsers"
+            )
         kind = headers.get(b"content-type")
         from_a_browser = origin is not None or b"cookie" in headers
         if kind is not None and from_a_browser and scope["method"] in BODY_METHODS and self.json_paths(scope["path"]):
             media = kind.decode("latin-1").split(";", 1)[0].strip().lower()
             if media != JSON_TYPE:
-                return 415, (f"the body must be JSON sent as 'Content-Type: {JSON_TYPE}', not {media or 'empty'!r} "
-                             f"(curl: -H 'Content-Type: {JSON_TYPE}')")
+                return 415, (
+                    f"the body must be JSON sent as 'Content-Type: {JSON_TYPE}', not {media or 'empty'!r} "
+                    f"(curl: -H 'Content-Type: {JSON_TYPE}')"
+                )
         return None
 
     def origin_allowed(self, origin: str, authority: str) -> bool:

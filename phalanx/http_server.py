@@ -30,8 +30,9 @@ HEAD_TIMEOUT_SECONDS = 10.0
 CONNECTIONS_PER_CLIENT = 64
 
 
-def guarded_protocol(head_timeout: float = HEAD_TIMEOUT_SECONDS,
-                     per_client: int = CONNECTIONS_PER_CLIENT) -> type[H11Protocol]:
+def guarded_protocol(
+    head_timeout: float = HEAD_TIMEOUT_SECONDS, per_client: int = CONNECTIONS_PER_CLIENT
+) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a time limit on request heads and a cap on connections per client."""
 
     class GuardedH11Protocol(H11Protocol):
@@ -40,8 +41,7 @@ def guarded_protocol(head_timeout: float = HEAD_TIMEOUT_SECONDS,
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             host = self.client[0] if self.client else None
-            if host is not None and sum(1 for c in self.connections
-                                        if c.client and c.client[0] == host) > per_client:
+            if host is not None and sum(1 for c in self.connections if c.client and c.client[0] == host) > per_client:
                 transport.close()  # this one is already counted among them
                 return
             self._arm_head_timer()
@@ -83,18 +83,29 @@ def trusted_proxies(given: list[str]) -> tuple[str, ...]:
         try:
             ipaddress.ip_network(value, strict=False)
         except ValueError:
-            raise PhalanxError(f"--trusted-proxy takes an IP address or network (such as 10.0.0.5 or 10.0.0.0/8), "
-                               f"not {value!r}") from None
+            raise PhalanxError(
+                f"--trusted-proxy takes an IP address or network (such as 10.0.0.5 or 10.0.0.0/8), not {value!r}"
+            ) from None
     return tuple(given)
 
 
-def server_config(app: Any, log_level: str, trusted_proxies: tuple[str, ...] = (),
-                  head_timeout: float = HEAD_TIMEOUT_SECONDS, per_client: int = CONNECTIONS_PER_CLIENT,
-                  **options: Any):
+def server_config(
+    app: Any,
+    log_level: str,
+    trusted_proxies: tuple[str, ...] = (),
+    head_timeout: float = HEAD_TIMEOUT_SECONDS,
+    per_client: int = CONNECTIONS_PER_CLIENT,
+    **options: Any,
+):
     """uvicorn's Config for a phalanx server: the guarded protocol, and proxy headers only from
     `trusted_proxies` (addresses or networks; none: X-Forwarded-For is ignored)."""
     import uvicorn
 
-    return uvicorn.Config(app, log_level=log_level, http=guarded_protocol(head_timeout, per_client),
-                          proxy_headers=bool(trusted_proxies), forwarded_allow_ips=list(trusted_proxies) or None,
-                          **options)
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        http=guarded_protocol(head_timeout, per_client),
+        proxy_headers=bool(trusted_proxies),
+        forwarded_allow_ips=list(trusted_proxies) or None,
+        **options,
+    )

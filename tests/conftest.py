@@ -17,10 +17,22 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # A model and batch small enough for many CPU runs in one test session, still a real Llama.
 TINY = [
-    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=160",
-    "model.max_seq_len=64", "data.vocab_size=384", "train.seq_len=32", "train.global_batch_size=8",
-    "train.micro_batch_size=4", "train.max_steps=12", "train.warmup_steps=2", "train.eval_interval=6",
-    "train.eval_batches=4", "checkpoint.interval=4", "checkpoint.keep=5",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=160",
+    "model.max_seq_len=64",
+    "data.vocab_size=384",
+    "train.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.max_steps=12",
+    "train.warmup_steps=2",
+    "train.eval_interval=6",
+    "train.eval_batches=4",
+    "checkpoint.interval=4",
+    "checkpoint.keep=5",
 ]
 
 
@@ -29,8 +41,11 @@ def corpus(tmp_path_factory) -> Path:
     """Two plays from the built-in corpus as a plain text file (~270 KB): fast to tokenise."""
     from phalanx.data.corpus import iter_documents, resolve_sources
 
-    sources = [s for s in resolve_sources(["builtin:shakespeare"], Path.cwd())
-               if s.path.stem in ("romeo-and-juliet", "macbeth")]
+    sources = [
+        s
+        for s in resolve_sources(["builtin:shakespeare"], Path.cwd())
+        if s.path.stem in ("romeo-and-juliet", "macbeth")
+    ]
     path = tmp_path_factory.mktemp("corpus") / "plays.txt"
     path.write_text("\n\n".join(iter_documents(sources)))
     return path

@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 
 
-def phalanx(*args: str, timeout: float = 600, check: bool = True,
-            cwd: Path | None = None) -> subprocess.CompletedProcess:
+def phalanx(
+    *args: str, timeout: float = 600, check: bool = True, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run the real `phalanx` CLI in a fresh process."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "phalanx", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, "-m", "phalanx", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"phalanx {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -90,8 +92,11 @@ def agent_of(rank: int) -> int:
 
 def ranks_of(agent: int) -> list[int]:
     """The pids of the ranks node agent `agent` started."""
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and is_rank(int(p.name))
-            and _safe_agent_of(int(p.name)) == agent]
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and is_rank(int(p.name)) and _safe_agent_of(int(p.name)) == agent
+    ]
 
 
 def _safe_agent_of(rank: int) -> int | None:

@@ -12,8 +12,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_readme_shows_the_exit_code_table():
-    assert errors.exit_code_table() in README.read_text(), \
+    assert errors.exit_code_table() in README.read_text(), (
         "README's exit-code table differs from phalanx/errors.py; paste errors.exit_code_table() into it"
+    )
 
 
 def test_every_error_type_has_a_row():

@@ -68,8 +68,13 @@ def hidden_modules() -> tuple[str, ...]:
     """The top-level modules of every distribution `all` brings that the core does not."""
     core = installed_closure([Requirement(line) for line in PROJECT["dependencies"]])
     only_extras = installed_closure(extra_requirements("all")) - core
-    return tuple(sorted(module for module, dists in metadata.packages_distributions().items()
-                        if module.isidentifier() and all(canonicalize_name(d) in only_extras for d in dists)))
+    return tuple(
+        sorted(
+            module
+            for module, dists in metadata.packages_distributions().items()
+            if module.isidentifier() and all(canonicalize_name(d) in only_extras for d in dists)
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +85,34 @@ def core_env(tmp_path_factory) -> dict[str, str]:
         "# Written by tests/test_extras.py: what an install without phalanx's extras lacks.\n"
         "import sys\n\n"
         f"for name in {hidden_modules()!r}:\n"
-        "    sys.modules[name] = None\n")
+        "    sys.modules[name] = None\n"
+    )
     path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
 def core_phalanx(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "phalanx", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_the_core_lacks_what_the_extras_bring(core_env):
     """The hiding itself works (else every test below would pass on a full install)."""
-    assert {"fastapi", "uvicorn", "sqlalchemy", "alembic", "plotly", "llguidance", "gguf", "safetensors",
-            "prometheus_client", "tensorboard", "psycopg", "starlette"} <= set(hidden_modules())
+    assert {
+        "fastapi",
+        "uvicorn",
+        "sqlalchemy",
+        "alembic",
+        "plotly",
+        "llguidance",
+        "gguf",
+        "safetensors",
+        "prometheus_client",
+        "tensorboard",
+        "psycopg",
+        "starlette",
+    } <= set(hidden_modules())
     probe = subprocess.run([sys.executable, "-c", "import sqlalchemy"], capture_output=True, text=True, env=core_env)
     assert probe.returncode == 1 and "ModuleNotFoundError" in probe.stderr
 
@@ -102,8 +121,17 @@ def test_the_core_lacks_what_the_extras_bring(core_env):
 def core_run(core_env, corpus, tmp_path_factory):
     """A short training run of the tiny model on the core alone, with the default run store."""
     runs = tmp_path_factory.mktemp("core_runs")
-    proc = core_phalanx(core_env, "train", *TINY, f"data.sources=[{corpus}]", f"run.dir={runs}", "run.name=core",
-                        "train.max_steps=2", "train.eval_batches=1", "--json")
+    proc = core_phalanx(
+        core_env,
+        "train",
+        *TINY,
+        f"data.sources=[{corpus}]",
+        f"run.dir={runs}",
+        "run.name=core",
+        "train.max_steps=2",
+        "train.eval_batches=1",
+        "--json",
+    )
     return proc, runs
 
 
@@ -118,15 +146,18 @@ def test_training_needs_only_the_core(core_run):
     assert not (runs / "phalanx.db").exists()
 
 
-@pytest.mark.parametrize("command, extra", [
-    (["serve", "RUN"], "serve"),
-    (["chat", "RUN"], "serve"),
-    (["generate", "RUN", "ROMEO:"], "serve"),
-    (["export", "RUN", "--format", "hf", "--out", "OUT"], "export"),
-    (["dashboard", "--runs", "RUNS", "--port", "0"], "observe"),
-    (["runs", "list", "--runs", "RUNS"], "observe"),
-    (["runs", "import", "RUN", "--runs", "RUNS"], "observe"),
-])
+@pytest.mark.parametrize(
+    "command, extra",
+    [
+        (["serve", "RUN"], "serve"),
+        (["chat", "RUN"], "serve"),
+        (["generate", "RUN", "ROMEO:"], "serve"),
+        (["export", "RUN", "--format", "hf", "--out", "OUT"], "export"),
+        (["dashboard", "--runs", "RUNS", "--port", "0"], "observe"),
+        (["runs", "list", "--runs", "RUNS"], "observe"),
+        (["runs", "import", "RUN", "--runs", "RUNS"], "observe"),
+    ],
+)
 def test_a_command_names_the_extra_it_needs(core_env, core_run, tmp_path, command, extra):
     _, runs = core_run
     given = {"RUN": str(runs / "core"), "RUNS": str(runs), "OUT": str(tmp_path / "out")}
@@ -137,11 +168,14 @@ def test_a_command_names_the_extra_it_needs(core_env, core_run, tmp_path, comman
     assert not (tmp_path / "out").exists() and not (runs / "phalanx.db").exists()
 
 
-@pytest.mark.parametrize("setting, extra", [
-    ("observe.store=STORE", "observe"),  # asked for by name: refused, not skipped
-    ("observe.metrics_port=0", "observe"),
-    ("observe.tensorboard=true", "tensorboard"),
-])
+@pytest.mark.parametrize(
+    "setting, extra",
+    [
+        ("observe.store=STORE", "observe"),  # asked for by name: refused, not skipped
+        ("observe.metrics_port=0", "observe"),
+        ("observe.tensorboard=true", "tensorboard"),
+    ],
+)
 def test_a_setting_the_core_cannot_honour_is_refused_before_the_run(core_env, tmp_path, setting, extra):
     setting = setting.replace("STORE", str(tmp_path / "store.db"))
     proc = core_phalanx(core_env, "train", *TINY, f"run.dir={tmp_path}", "run.name=refused", setting)
@@ -160,8 +194,9 @@ def test_the_extras_tables_agree():
             assert {canonicalize_name(d) for d in providers[module]} & listed, f"[{extra}] does not install {module}"
     in_all = set().union(*(Requirement(line).extras for line in extras["all"]))
     assert in_all == set(EXTRA_MODULES)
-    assert "all" in set().union(*(Requirement(line).extras for line in extras["test"]
-                                  if canonicalize_name(Requirement(line).name) == "phalanx"))
+    assert "all" in set().union(
+        *(Requirement(line).extras for line in extras["test"] if canonicalize_name(Requirement(line).name) == "phalanx")
+    )
     # Nothing an extra installs is a core dependency too (it would then be in the core, not an extra).
     core = {canonicalize_name(Requirement(line).name) for line in PROJECT["dependencies"]}
     assert not core & {canonicalize_name(r.name) for r in extra_requirements("all")}
@@ -169,7 +204,7 @@ def test_the_extras_tables_agree():
 
 def test_the_readme_lists_every_extra():
     readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| extra | adds | for |"):]
-    rows = table[:table.index("\n\n")].splitlines()[2:]
+    table = readme[readme.index("| extra | adds | for |") :]
+    rows = table[: table.index("\n\n")].splitlines()[2:]
     named = {name for row in rows for name in re.findall(r"`([\w-]+)`", row.split("|")[1])}
     assert named == set(PROJECT["optional-dependencies"]) - {"test", "test-all"}  # those two: the Tests section

@@ -22,8 +22,13 @@ async def echo_client(scope, receive, send) -> None:
     if scope["type"] != "http":
         return
     body = scope["client"][0].encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -113,8 +118,14 @@ def test_a_trusted_proxy_must_be_an_address_or_network(command, tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "phalanx", *command, "--trusted-proxy", "proxy.example"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "phalanx", *command, "--trusted-proxy", "proxy.example"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == ("error: --trusted-proxy takes an IP address or network (such as 10.0.0.5 or "
-                                   "10.0.0.0/8), not 'proxy.example'")
+    assert done.stderr.strip() == (
+        "error: --trusted-proxy takes an IP address or network (such as 10.0.0.5 or 10.0.0.0/8), not 'proxy.example'"
+    )

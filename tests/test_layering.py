@@ -66,16 +66,34 @@ def imported_folders(stage: str) -> dict[str, list[str]]:
     return seen
 
 
-@pytest.mark.parametrize("stage, forbidden", [
-    ("models", {"train", "parallel", "data", "run", "safe", "launch", "job", "observe", "serve", "export", "plan",
-                "preflight"}),
-    ("serve", {"train", "safe", "launch", "job", "observe", "export", "plan", "preflight"}),
-    ("observe", {"train", "launch", "job", "serve", "export", "plan", "preflight"}),
-    ("export", {"train", "safe", "launch", "job", "observe", "serve", "plan", "preflight"}),
-    ("run", {"train", "safe", "launch", "job", "observe", "serve", "export", "plan", "preflight"}),
-    ("safe", {"train", "launch", "job", "observe", "serve", "export", "plan", "preflight"}),
-    ("launch", {"train", "job", "observe", "serve", "export", "plan", "preflight"}),
-])
+@pytest.mark.parametrize(
+    "stage, forbidden",
+    [
+        (
+            "models",
+            {
+                "train",
+                "parallel",
+                "data",
+                "run",
+                "safe",
+                "launch",
+                "job",
+                "observe",
+                "serve",
+                "export",
+                "plan",
+                "preflight",
+            },
+        ),
+        ("serve", {"train", "safe", "launch", "job", "observe", "export", "plan", "preflight"}),
+        ("observe", {"train", "launch", "job", "serve", "export", "plan", "preflight"}),
+        ("export", {"train", "safe", "launch", "job", "observe", "serve", "plan", "preflight"}),
+        ("run", {"train", "safe", "launch", "job", "observe", "serve", "export", "plan", "preflight"}),
+        ("safe", {"train", "launch", "job", "observe", "serve", "export", "plan", "preflight"}),
+        ("launch", {"train", "job", "observe", "serve", "export", "plan", "preflight"}),
+    ],
+)
 def test_stage_does_not_reach_up(stage, forbidden):
     broken = {f: where for f, where in imported_folders(stage).items() if f in forbidden}
     assert not broken, f"{stage} imports {sorted(broken)}: {broken}"
@@ -88,15 +106,23 @@ def serve_room(module: str) -> str | None:
     return parts[2] if len(parts) > 3 and parts[1] == "serve" else None
 
 
-@pytest.mark.parametrize("room, forbidden", [
-    ("core", {"engines", "http", "cli"}),  # the contract and what every engine shares stand alone
-    ("engines", {"http", "cli"}),
-    ("http", {"engines", "cli"}),  # the routes know the engine contract, never one engine
-    ("cli", {"engines"}),  # /set validates as /api/chat does, through the Ollama schema in http/
-])
+@pytest.mark.parametrize(
+    "room, forbidden",
+    [
+        ("core", {"engines", "http", "cli"}),  # the contract and what every engine shares stand alone
+        ("engines", {"http", "cli"}),
+        ("http", {"engines", "cli"}),  # the routes know the engine contract, never one engine
+        ("cli", {"engines"}),  # /set validates as /api/chat does, through the Ollama schema in http/
+    ],
+)
 def test_serve_rooms(room, forbidden):
-    broken = sorted(f"{module} -> {target}" for module, targets in IMPORTS.items() if serve_room(module) == room
-                    for target in targets if serve_room(target) in forbidden)
+    broken = sorted(
+        f"{module} -> {target}"
+        for module, targets in IMPORTS.items()
+        if serve_room(module) == room
+        for target in targets
+        if serve_room(target) in forbidden
+    )
     assert not broken, f"serve/{room} imports {sorted(forbidden)}: {broken}"
 
 
@@ -123,7 +149,7 @@ def test_no_circle_between_folders():
         state[node] = "open"
         for nxt in sorted(edges[node]):
             if state.get(nxt) == "open":
-                circles.append(path[path.index(nxt):] + [nxt])
+                circles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"

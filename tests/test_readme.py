@@ -29,8 +29,26 @@ README = ROOT / "README.md"
 # Config files the examples name without shipping them: the README's own config block stands in.
 PLACEHOLDER_CONFIGS = ("my.yaml", "configs/llama-8b.yaml")
 # Programs other than phalanx that the shell examples run (a typo'd `phalnx` is not one of them).
-OTHER_PROGRAMS = {"bash", "python", "python3", "pip", ".venv/bin/pip", ".venv/bin/python", "curl", "export", "cd",
-                  "llama-cli", "ollama", "printf", "tensorboard", "docker", "kubectl", "sbatch", "srun", "ray"}
+OTHER_PROGRAMS = {
+    "bash",
+    "python",
+    "python3",
+    "pip",
+    ".venv/bin/pip",
+    ".venv/bin/python",
+    "curl",
+    "export",
+    "cd",
+    "llama-cli",
+    "ollama",
+    "printf",
+    "tensorboard",
+    "docker",
+    "kubectl",
+    "sbatch",
+    "srun",
+    "ray",
+}
 
 
 def fenced_blocks(language: str) -> list[tuple[int, str]]:
@@ -46,7 +64,7 @@ def fenced_blocks(language: str) -> list[tuple[int, str]]:
                 found.append((start, "\n".join(lines)))
             current = None
         elif current is not None:
-            lines.append(line[len(indent):] if line.startswith(indent) else line)
+            lines.append(line[len(indent) :] if line.startswith(indent) else line)
     return found
 
 
@@ -77,7 +95,7 @@ def shell_commands() -> list[tuple[int, list[str]]]:
                     if command:
                         commands.append((first, command))
                     if "--" in command and command.index("--") + 1 < len(command):  # `ray job submit -- CMD`
-                        commands.append((first, command[command.index("--") + 1:]))
+                        commands.append((first, command[command.index("--") + 1 :]))
                     command = []
                 else:
                     command.append(word)
@@ -116,8 +134,11 @@ def parse(args: list[str]):
 # -- the YAML blocks --------------------------------------------------------------------------------------
 def config_blocks() -> list[tuple[int, str]]:
     sections = set(Config.model_fields) | {"extends"}
-    return [(line, text) for line, text in fenced_blocks("yaml")
-            if isinstance(yaml.safe_load(text), dict) and set(yaml.safe_load(text)) <= sections]
+    return [
+        (line, text)
+        for line, text in fenced_blocks("yaml")
+        if isinstance(yaml.safe_load(text), dict) and set(yaml.safe_load(text)) <= sections
+    ]
 
 
 def test_the_readme_has_the_examples_this_file_checks():
@@ -139,8 +160,12 @@ def test_yaml_config_blocks_load_through_the_real_loader(tmp_path, line, text):
 
 
 def test_other_yaml_blocks_are_known_not_to_be_configs():
-    others = [data for line, text in fenced_blocks("yaml") if (line, text) not in config_blocks()
-              for data in [yaml.safe_load(text)]]
+    others = [
+        data
+        for line, text in fenced_blocks("yaml")
+        if (line, text) not in config_blocks()
+        for data in [yaml.safe_load(text)]
+    ]
     assert others and all("scrape_configs" in data for data in others)  # Prometheus' own config
 
 
@@ -159,8 +184,9 @@ def test_the_full_config_block_names_every_key_and_its_defaults(my_yaml):
     as_loaded = load_config(my_yaml).model_dump(mode="json", by_alias=True)  # `off` read as the loader does
     for section in ("train", "parallel", "safe", "observe"):
         for key, value in as_loaded[section].items():
-            assert value == default[section][key], f"README says {section}.{key}: {value}, the default is " \
-                                                   f"{default[section][key]}"
+            assert value == default[section][key], (
+                f"README says {section}.{key}: {value}, the default is {default[section][key]}"
+            )
 
 
 # -- the shell blocks -------------------------------------------------------------------------------------
@@ -174,8 +200,12 @@ def test_shell_examples_run_known_programs_and_existing_scripts():
 
 def _examples() -> list:
     """phalanx_commands(), with the plans that trace a real step (seconds each) in the slow tier."""
-    return [pytest.param(line, args, marks=pytest.mark.slow) if args[:1] == ["plan"] and "--no-trace" not in args
-            else (line, args) for line, args in phalanx_commands()]
+    return [
+        pytest.param(line, args, marks=pytest.mark.slow)
+        if args[:1] == ["plan"] and "--no-trace" not in args
+        else (line, args)
+        for line, args in phalanx_commands()
+    ]
 
 
 @pytest.mark.parametrize("line, args", _examples(), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
@@ -241,7 +271,8 @@ def test_every_file_the_readme_points_at_exists():
 
 def test_readme_anchors_lead_to_headings():
     text = README.read_text()
-    headings = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-                for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    headings = {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)
+    }
     for anchor in re.findall(r"\]\(#([^)]+)\)", text):
         assert anchor in headings, f"README link to #{anchor} has no heading"

@@ -18,12 +18,22 @@ import pytest
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("phalanx timing")
-    group.addoption("--slowest", type=int, default=20, metavar="N",
-                    help="list the N slowest tests at the end (0: none)")
-    group.addoption("--time-limit", type=float, default=None, metavar="SECONDS",
-                    help="fail the run when its tests took longer than this")
-    group.addoption("--timings-json", default=None, metavar="PATH",
-                    help="write each test's seconds (setup + call + teardown) to PATH as JSON")
+    group.addoption(
+        "--slowest", type=int, default=20, metavar="N", help="list the N slowest tests at the end (0: none)"
+    )
+    group.addoption(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fail the run when its tests took longer than this",
+    )
+    group.addoption(
+        "--timings-json",
+        default=None,
+        metavar="PATH",
+        help="write each test's seconds (setup + call + teardown) to PATH as JSON",
+    )
 
 
 def folder_of(nodeid: str) -> str:
@@ -52,8 +62,15 @@ class Timings:
         self.wall = time.monotonic() - self.started
         path = self.config.getoption("--timings-json")
         if path:
-            Path(path).write_text(json.dumps({"wall_s": round(self.wall, 1), "tests": {
-                k: round(v, 2) for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1])}}, indent=1))
+            Path(path).write_text(
+                json.dumps(
+                    {
+                        "wall_s": round(self.wall, 1),
+                        "tests": {k: round(v, 2) for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1])},
+                    },
+                    indent=1,
+                )
+            )
         limit = self.config.getoption("--time-limit")
         if limit is not None and self.wall > limit and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -69,11 +86,16 @@ class Timings:
             terminalreporter.section("seconds per folder")
             for folder, seconds in sorted(self.folders().items(), key=lambda kv: -kv[1]):
                 write(f"{seconds:8.1f} s  {folder}")
-            write(f"{sum(self.seconds.values()):8.1f} s  all tests ({len(self.seconds)}); "
-                  f"{self.wall:.1f} s of wall time")
+            write(
+                f"{sum(self.seconds.values()):8.1f} s  all tests ({len(self.seconds)}); {self.wall:.1f} s of wall time"
+            )
         if getattr(self, "over_limit", None):
-            write(f"FAILED: {self.over_limit}: make the costliest tests cheaper (see above) "
-                  "or move them to the slow tier", red=True, bold=True)
+            write(
+                f"FAILED: {self.over_limit}: make the costliest tests cheaper (see above) "
+                "or move them to the slow tier",
+                red=True,
+                bold=True,
+            )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -46,8 +46,11 @@ class Section(BaseModel):
 
 def _off_meaning(annotation: Any) -> Any:
     """What off means for a key of this type; _NO_MEANING where false stays false (or stays an error)."""
-    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+    args = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
         else (annotation,)
+    )
     if bool in args:
         return _NO_MEANING  # a switch: false is its own value (pydantic reads "off" as false too)
     for arg in args:
@@ -126,7 +129,7 @@ class TrainSection(Section):
     peak_tflops: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
-    def _check_batches(self) -> "TrainSection":
+    def _check_batches(self) -> TrainSection:
         if self.micro_batch_size and self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
@@ -166,7 +169,7 @@ class ParallelSection(Section):
     cp: PositiveInt = Field(1, description="context-parallel ranks: each holds a slice of every sequence")
 
     @model_validator(mode="after")
-    def _check_degrees(self) -> "ParallelSection":
+    def _check_degrees(self) -> ParallelSection:
         if self.dp_shard == 0:
             raise ValueError("parallel.dp_shard must be a positive number of ranks, or -1 for the rest")
         return self

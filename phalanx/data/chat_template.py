@@ -25,10 +25,13 @@ CHAT_TEMPLATE = (
 CHAT_STOP = ["\n\nUSER:", "\n\nSYSTEM:"]
 
 
-def render_chat(messages: list[dict[str, Any]], bos_token: str, template: str = CHAT_TEMPLATE,
-                add_generation_prompt: bool = True) -> str:
+def render_chat(
+    messages: list[dict[str, Any]], bos_token: str, template: str = CHAT_TEMPLATE, add_generation_prompt: bool = True
+) -> str:
     """The prompt text for a list of {role, content} messages (sandboxed: templates may come from files)."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       undefined=jinja2.StrictUndefined)
-    return env.from_string(template).render(messages=messages, bos_token=bos_token,
-                                            add_generation_prompt=add_generation_prompt)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined
+    )
+    return env.from_string(template).render(
+        messages=messages, bos_token=bos_token, add_generation_prompt=add_generation_prompt
+    )

@@ -57,8 +57,11 @@ def _resolve_one(entry: str, base_dir: Path) -> list[Source]:
             raise PhalanxError(f"data source pattern {entry!r} matched no files (looked in {base_dir})")
         return [_file_source(f, entry) for f in files]
     if path.is_dir():
-        files = [f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in SUPPORTED_SUFFIXES
-                 and not _hidden(f.relative_to(path))]
+        files = [
+            f
+            for f in path.rglob("*")
+            if f.is_file() and f.suffix.lower() in SUPPORTED_SUFFIXES and not _hidden(f.relative_to(path))
+        ]
         if not files:
             raise PhalanxError(f"data source directory {path} holds no {'/'.join(SUPPORTED_SUFFIXES)} files")
         return [_file_source(f, entry) for f in files]

@@ -45,8 +45,10 @@ class PromptEncoder:
         text cannot be told from its own and that text holds a special-token string."""
         # Only contents are wrapped; a special-token string in any other field (a name, a tool call's
         # arguments) is refused rather than risk it becoming a control token.
-        self._refuse_special(_strings([{k: v for k, v in m.items() if k not in ("role", "content")}
-                                       for m in messages]), "a message field")
+        self._refuse_special(
+            _strings([{k: v for k, v in m.items() if k not in ("role", "content")} for m in messages]),
+            "a message field",
+        )
         plain = render(messages)
         contents = _strings([m.get("content") for m in messages])
         wrappable = not any(OPEN in s or CLOSE in s for s in contents)
@@ -58,8 +60,10 @@ class PromptEncoder:
             self._refuse_special(contents, "a message")
             blank = render([{**m, "content": ""} if isinstance(m.get("content"), str) else m for m in messages])
             if self._specials_in(plain) != self._specials_in(blank):
-                raise ValueError("this chat template turns message text into special tokens; the messages "
-                                 "hold a special-token string once it has rendered them: change the text")
+                raise ValueError(
+                    "this chat template turns message text into special tokens; the messages "
+                    "hold a special-token string once it has rendered them: change the text"
+                )
             return _ids(self.tokenizer, plain)
         # Between the template's own special tokens everything is encoded as text.
         ids: list[int] = []
@@ -70,7 +74,7 @@ class PromptEncoder:
                 continue
             at = 0
             for match in self._special_re.finditer(piece):
-                run += piece[at:match.start()]
+                run += piece[at : match.start()]
                 ids += self.text_ids(run)
                 ids.append(self.special[match.group()])
                 run, at = "", match.end()
@@ -84,8 +88,10 @@ class PromptEncoder:
         for text in strings:
             match = self._special_re.search(text) if self._special_re is not None else None
             if match:
-                raise ValueError(f"{where} holds the special-token string {match.group()!r}, which this chat "
-                                 "template cannot keep apart from its own markers; remove it")
+                raise ValueError(
+                    f"{where} holds the special-token string {match.group()!r}, which this chat "
+                    "template cannot keep apart from its own markers; remove it"
+                )
 
     @staticmethod
     def _split(wrapped: str, plain: str) -> list[tuple[bool, str]] | None:
@@ -116,7 +122,7 @@ def _wrapped(message: dict[str, Any]) -> dict[str, Any]:
     # Whitespace stays outside the markers so a template that trims the content still trims it.
     core = content.strip()
     start = content.index(core)
-    return {**message, "content": content[:start] + OPEN + core + CLOSE + content[start + len(core):]}
+    return {**message, "content": content[:start] + OPEN + core + CLOSE + content[start + len(core) :]}
 
 
 def _strings(values: list[Any]) -> list[str]:

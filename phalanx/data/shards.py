@@ -166,14 +166,15 @@ class VerifiedShard:
 
     def _verify(self, chunk: int) -> None:
         start = chunk * self.chunk_tokens
-        data = self.tokens[start:start + self.chunk_tokens]
+        data = self.tokens[start : start + self.chunk_tokens]
         where = f"token shard {self.path} (chunk {chunk}, tokens {start}-{start + len(data) - 1})"
         fix = f"; delete {self.path.parent} and `phalanx data prepare` rebuilds it"
         if zlib.crc32(data) != int(self._crcs[chunk]):
             raise PhalanxError(f"corrupt {where}: its bytes do not match the shard's checksum{fix}")
         if data.size and int(data.max()) >= self.vocab_size:
-            raise PhalanxError(f"corrupt {where}: token id {int(data.max())} is not below the vocabulary size "
-                               f"{self.vocab_size}{fix}")
+            raise PhalanxError(
+                f"corrupt {where}: token id {int(data.max())} is not below the vocabulary size {self.vocab_size}{fix}"
+            )
         self._verified[chunk] = True
 
 
@@ -191,8 +192,10 @@ def _open(path: Path) -> tuple[np.ndarray, int, int, np.ndarray]:
     if magic != MAGIC:
         raise PhalanxError(f"corrupt token shard {path}: bad magic {magic!r} (expected {MAGIC!r})")
     if version != VERSION or itemsize not in DTYPES or chunk_tokens < 1:
-        raise PhalanxError(f"corrupt token shard {path}: unknown format version {version} or token size {itemsize} "
-                           f"(this phalanx writes version {VERSION}; delete the prepared data to rebuild it)")
+        raise PhalanxError(
+            f"corrupt token shard {path}: unknown format version {version} or token size {itemsize} "
+            f"(this phalanx writes version {VERSION}; delete the prepared data to rebuild it)"
+        )
     chunks = -(-count // chunk_tokens)
     expected = HEADER.size + count * itemsize + chunks * CRC.itemsize
     if size != expected:

@@ -13,12 +13,16 @@ from phalanx.console import JsonOpt, print_table
 def register(app: typer.Typer) -> None:
     @app.command()
     def export(
-        run_dir: Path = typer.Argument(..., help="A run directory (its newest checkpoint), a checkpoint directory, "
-                                                 "an HF or a GGUF export."),
+        run_dir: Path = typer.Argument(
+            ..., help="A run directory (its newest checkpoint), a checkpoint directory, an HF or a GGUF export."
+        ),
         fmt: str = typer.Option(..., "--format", help="hf (transformers) or gguf (llama.cpp, Ollama)."),
         out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
-        dtype: str = typer.Option("f32", "--dtype", help="Weight type: f32, f16 or bf16; for GGUF also q8_0, q5_1, "
-                                                           "q5_0, q4_1, q4_0 (norms stay f32)."),
+        dtype: str = typer.Option(
+            "f32",
+            "--dtype",
+            help="Weight type: f32, f16 or bf16; for GGUF also q8_0, q5_1, q5_0, q4_1, q4_0 (norms stay f32).",
+        ),
         force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
         json_out: bool = JsonOpt,
     ) -> None:
@@ -35,10 +39,16 @@ def register(app: typer.Typer) -> None:
         from phalanx.export.export import export_run
 
         files = export_run(run_dir, fmt, out, dtype, force)
-        report = {"format": fmt, "dtype": dtype, "out": str(Path(out).absolute()),
-                  "files": {f.name: f.stat().st_size for f in files}}
+        report = {
+            "format": fmt,
+            "dtype": dtype,
+            "out": str(Path(out).absolute()),
+            "files": {f.name: f.stat().st_size for f in files},
+        }
         if json_out:
             print(json.dumps(report))
         else:
-            print_table(f"exported ({fmt}, {dtype})",
-                         {"out": report["out"], **{n: f"{s:,} bytes" for n, s in report["files"].items()}})
+            print_table(
+                f"exported ({fmt}, {dtype})",
+                {"out": report["out"], **{n: f"{s:,} bytes" for n, s in report["files"].items()}},
+            )

@@ -45,6 +45,7 @@ PRE_TOKENIZER = "gpt-2"
 # from tokenizer.ggml.pretokenizer and falls back to Llama 3's. So the regex is written out as well.
 PRE_TOKENIZER_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
+
 def gguf_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under llama.cpp names, float32, Q/K permuted; output left out when tied
     (llama.cpp then uses token_embd for the output). One at a time, so a caller converting them to f16
@@ -71,13 +72,16 @@ def _vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[
     # llama.cpp would silently tokenise such a tokenizer differently: refuse rather than export a model
     # that reads other ids than it was trained on.
     if spec["model"]["type"] != "BPE" or not gpt2_split or spec.get("normalizer"):
-        raise PhalanxError("GGUF export supports byte-level BPE tokenizers with the GPT-2 split and no normalizer "
-                           f"(as phalanx trains them), not model {spec['model']['type']} with pre-tokenizer "
-                           f"{pre.get('type')} and normalizer {(spec.get('normalizer') or {}).get('type')}")
+        raise PhalanxError(
+            "GGUF export supports byte-level BPE tokenizers with the GPT-2 split and no normalizer "
+            f"(as phalanx trains them), not model {spec['model']['type']} with pre-tokenizer "
+            f"{pre.get('type')} and normalizer {(spec.get('normalizer') or {}).get('type')}"
+        )
     id_to_token = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
     if max(id_to_token) >= vocab_size:
-        raise PhalanxError(f"the tokenizer has ids up to {max(id_to_token)}, beyond the model's vocab_size "
-                           f"{vocab_size}")
+        raise PhalanxError(
+            f"the tokenizer has ids up to {max(id_to_token)}, beyond the model's vocab_size {vocab_size}"
+        )
     added = tokenizer.get_added_tokens_decoder()
     tokens, types = [], []
     for i in range(vocab_size):

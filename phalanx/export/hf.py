@@ -82,9 +82,13 @@ def hf_rope_scaling(args: ModelArgs) -> dict | None:
     """Llama 3.1 RoPE scaling as HF configs spell it (rope_type "llama3"), or None."""
     if args.rope_scaling_factor == 1:
         return None
-    return {"rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": args.rope_low_freq_factor,
-            "high_freq_factor": args.rope_high_freq_factor,
-            "original_max_position_embeddings": args.rope_original_max_seq_len}
+    return {
+        "rope_type": "llama3",
+        "factor": args.rope_scaling_factor,
+        "low_freq_factor": args.rope_low_freq_factor,
+        "high_freq_factor": args.rope_high_freq_factor,
+        "original_max_position_embeddings": args.rope_original_max_seq_len,
+    }
 
 
 def write_hf_export(loaded: LoadedModel, out: Path, dtype: str = "f32") -> list[Path]:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from phalanx.data.chat_template import CHAT_STOP
 
 _TEMPLATE = (
-    '{{- range .Messages }}'
+    "{{- range .Messages }}"
     '{{- if eq .Role "user" }}USER{{ else if eq .Role "assistant" }}ASSISTANT'
     '{{ else if eq .Role "system" }}SYSTEM{{ else }}{{ .Role }}{{ end }}:\n'
-    '{{ .Content }}\n\n'
-    '{{ end }}ASSISTANT:\n'
+    "{{ .Content }}\n\n"
+    "{{ end }}ASSISTANT:\n"
 )
 
 

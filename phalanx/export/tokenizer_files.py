@@ -34,7 +34,8 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
     bos, _ = special_ids(tokenizer)
     if tokenizer.encode("a").ids[:1] != [bos]:
         prepend_bos = processors.TemplateProcessing(
-            single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos)])
+            single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos)]
+        )
         current = tokenizer.post_processor
         tokenizer.post_processor = prepend_bos if current is None else processors.Sequence([current, prepend_bos])
     return tokenizer.to_str(pretty=True)

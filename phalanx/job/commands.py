@@ -12,12 +12,16 @@ from phalanx.errors import PhalanxError
 
 
 def register(app: typer.Typer) -> None:
-    data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.",
-                           epilog="Example: phalanx data prepare my.yaml")
+    data_app = typer.Typer(
+        no_args_is_help=True, help="Prepare training data.", epilog="Example: phalanx data prepare my.yaml"
+    )
     app.add_typer(data_app, name="data")
     # `config show` lives here, not in config/ (a leaf): it resolves a config as train does, presets included.
-    config_app = typer.Typer(no_args_is_help=True, help="Inspect run configs.",
-                             epilog="Example: phalanx config show my.yaml train.max_steps=100")
+    config_app = typer.Typer(
+        no_args_is_help=True,
+        help="Inspect run configs.",
+        epilog="Example: phalanx config show my.yaml train.max_steps=100",
+    )
     app.add_typer(config_app, name="config")
 
     @app.command()
@@ -28,10 +32,12 @@ def register(app: typer.Typer) -> None:
         node_rank: int = typer.Option(0, "--node-rank", min=0, help="This node's rank (multi-node)."),
         rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT shared by all nodes."),
         rdzv_conf: str = typer.Option("", "--rdzv-conf", help="Rendezvous options, e.g. last_call_timeout=5."),
-        launcher: str = typer.Option("local", "--launcher",
-                                     help="local (this node's agent) or ray (one agent per node on a Ray cluster)."),
-        ray_address: Optional[str] = typer.Option(None, "--ray-address",
-                                                  help="The Ray cluster (HOST:PORT); default RAY_ADDRESS or a local one."),
+        launcher: str = typer.Option(
+            "local", "--launcher", help="local (this node's agent) or ray (one agent per node on a Ray cluster)."
+        ),
+        ray_address: Optional[str] = typer.Option(
+            None, "--ray-address", help="The Ray cluster (HOST:PORT); default RAY_ADDRESS or a local one."
+        ),
         json_out: bool = JsonOpt,
     ) -> None:
         """Train (or resume) the run a config describes; with no arguments, the built-in Shakespeare demo.
@@ -99,9 +105,15 @@ def register(app: typer.Typer) -> None:
         config = load_config(path, overrides)
         with owned_run_dir(config):  # never under a live run: it rewrites the run's config
             data = prepare_run(config, progress=not json_out)
-        report = {"dir": str(data.dir), "tokenizer": str(data.tokenizer_path), "vocab_size": data.vocab_size,
-                  "train_tokens": data.train_tokens, "val_tokens": data.val_tokens,
-                  "train_shards": len(data.train_shards), "val_shards": len(data.val_shards)}
+        report = {
+            "dir": str(data.dir),
+            "tokenizer": str(data.tokenizer_path),
+            "vocab_size": data.vocab_size,
+            "train_tokens": data.train_tokens,
+            "val_tokens": data.val_tokens,
+            "train_shards": len(data.train_shards),
+            "val_shards": len(data.val_shards),
+        }
         if json_out:
             print(json.dumps(report))
         else:

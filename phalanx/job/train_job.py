@@ -30,9 +30,9 @@ from phalanx.preflight.thresholds import config_overrides
 from phalanx.run.checkpoints import checkpoint_step, latest_checkpoint, read_trainer_state
 from phalanx.run.layout import RunDir
 from phalanx.run.prepare import prepare_run, start_timeline
-from phalanx.run.retention import apply_retention
 from phalanx.run.records import read_metrics
 from phalanx.run.resolved import resolved
+from phalanx.run.retention import apply_retention
 from phalanx.safe.goodput import run_report
 from phalanx.train.checkpoint_space import free_now, low_space_warning
 from phalanx.train.resume import check_run
@@ -69,16 +69,17 @@ def train_job(config: Config, spec: LaunchSpec, progress: bool = True) -> dict[s
         refuse_if_quarantined(config)  # before the data work: a quarantined node does nothing
         say(f"preparing data for {run.path}")
         data = prepare_run(config, progress=progress and err.is_terminal)  # a spinner: terminals only
-        say(f"data: {data.train_tokens:,} training and {data.val_tokens:,} validation tokens, "
-            f"vocabulary {data.vocab_size:,}")
+        say(
+            f"data: {data.train_tokens:,} training and {data.val_tokens:,} validation tokens, "
+            f"vocabulary {data.vocab_size:,}"
+        )
         done = _already_done(config, run, check_run(config, data))
         if done is not None:
             return done if owner else None
         keep()
         if config.safe.preflight != "off":
             preflight_before_training(config, spec, progress=progress)
-        before_restart = node_preflight_before_restart(config, spec.nproc) if config.safe.preflight != "off" \
-            else None
+        before_restart = node_preflight_before_restart(config, spec.nproc) if config.safe.preflight != "off" else None
         args = model_args(config.model, data.vocab_size, config.train.seq_len)
         model = f"{config.model.preset} ({count_params(args) / 1e6:,.1f}M)"
         if owner and (low := low_space_warning(run.checkpoints, count_params(args))):
@@ -103,9 +104,11 @@ def _refuse_an_unsaved_end(run: RunDir) -> None:
     if failed:
         newest = latest_checkpoint(run.checkpoints)
         resumes = f"step {checkpoint_step(newest)}" if newest else "step 0 (no checkpoint was saved)"
-        raise FinalSaveFailedError(f"the final checkpoint (step {failed['step']}) could not be saved: "
-                                   f"{failed['error']}; {free_now(run.checkpoints)}free space and rerun: the same "
-                                   f"command resumes from {resumes}")
+        raise FinalSaveFailedError(
+            f"the final checkpoint (step {failed['step']}) could not be saved: "
+            f"{failed['error']}; {free_now(run.checkpoints)}free space and rerun: the same "
+            f"command resumes from {resumes}"
+        )
 
 
 def _launch(spec: LaunchSpec, config: Config, before_restart: Any, run: RunDir) -> bool:
@@ -129,17 +132,22 @@ def _already_done(config: Config, run: RunDir, resume: Path | None) -> dict[str,
     state = read_trainer_state(resume)
     step, tc = int(state["step"]), config.train
     if step > tc.max_steps:
-        raise PhalanxError(f"train.max_steps={tc.max_steps} is below the step of the newest checkpoint, {step} "
-                           f"({resume}); raise train.max_steps, or start over with checkpoint.resume=never")
+        raise PhalanxError(
+            f"train.max_steps={tc.max_steps} is below the step of the newest checkpoint, {step} "
+            f"({resume}); raise train.max_steps, or start over with checkpoint.resume=never"
+        )
     end = tc.halt_at_step or tc.max_steps
     if step < end:
         return None
     if step >= tc.max_steps:
-        say(f"{run.path} is already at step {step} of {tc.max_steps}; nothing to do (raise train.max_steps "
-            "to train on)")
+        say(
+            f"{run.path} is already at step {step} of {tc.max_steps}; nothing to do (raise train.max_steps to train on)"
+        )
     else:
-        say(f"{run.path} is already at step {step}, train.halt_at_step={end}; nothing to do (raise or drop "
-            "train.halt_at_step to train on)")
+        say(
+            f"{run.path} is already at step {step}, train.halt_at_step={end}; nothing to do (raise or drop "
+            "train.halt_at_step to train on)"
+        )
     try:
         summary = json.loads(run.summary.read_text())
     except (OSError, ValueError):
@@ -147,10 +155,16 @@ def _already_done(config: Config, run: RunDir, resume: Path | None) -> dict[str,
     if summary.get("steps") == step:
         return summary
     # No summary of that step (a launch stopped after its last save): what the checkpoint knows.
-    return {"run_dir": str(run.path), "steps": step, "tokens_seen": step * tc.global_batch_size * tc.seq_len,
-            "val_loss_start": state.get("val_loss_start"), "val_loss_final": state.get("val_loss"),
-            "train_loss_final": state.get("train_loss"), "last_checkpoint": str(resume),
-            "halted": step < tc.max_steps}
+    return {
+        "run_dir": str(run.path),
+        "steps": step,
+        "tokens_seen": step * tc.global_batch_size * tc.seq_len,
+        "val_loss_start": state.get("val_loss_start"),
+        "val_loss_final": state.get("val_loss"),
+        "train_loss_final": state.get("train_loss"),
+        "last_checkpoint": str(resume),
+        "halted": step < tc.max_steps,
+    }
 
 
 def _starting_line(config: Config, spec: LaunchSpec, model: str) -> str:
@@ -163,6 +177,6 @@ def _starting_line(config: Config, spec: LaunchSpec, model: str) -> str:
     micro = tc.micro_batch(layout.dp)
     accumulation = tc.global_batch_size // (micro * layout.dp) if micro else 1
     batch = f"{tc.global_batch_size} x {tc.seq_len} tokens" + (
-        f" ({accumulation} micro-batches of {micro} per rank)" if accumulation > 1 else "")
-    return (f"starting {n} rank{'s' if n > 1 else ''}{where} ({how}): {model} params, {tc.max_steps} steps of "
-            f"{batch}")
+        f" ({accumulation} micro-batches of {micro} per rank)" if accumulation > 1 else ""
+    )
+    return f"starting {n} rank{'s' if n > 1 else ''}{where} ({how}): {model} params, {tc.max_steps} steps of {batch}"

@@ -35,8 +35,7 @@ from phalanx.safe.heartbeat import ENV_FILE, open_board
 from phalanx.safe.rank_guard import ENV_AGENT_PID, ENV_RUN_LOCK
 
 # The c10d rendezvous options a user may set (seconds), as torchrun's --rdzv-conf takes them.
-RDZV_OPTIONS = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval",
-                "keep_alive_max_attempt")
+RDZV_OPTIONS = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt")
 
 
 @dataclass(frozen=True)
@@ -98,8 +97,9 @@ class OneShot:
     work_dir: Path
 
 
-def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
-           before_restart: Callable[[], None] | None = None) -> bool:
+def launch(
+    spec: LaunchSpec, config: Config, one_shot: OneShot | None = None, before_restart: Callable[[], None] | None = None
+) -> bool:
     """Run the training (or `one_shot`) on this node's ranks until it succeeds, or raise why it could not.
     Returns whether this node ran global rank 0 (the rank that writes the run's summary).
     The caller has validated `spec` and, for training, prepared the run directory. `before_restart`
@@ -131,8 +131,14 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
         endpoint, run_id = spec.rdzv_endpoint, rdzv_id  # every node derives the same id
     else:
         endpoint, run_id = "localhost:0", uuid.uuid4().hex  # a free port: parallel runs never collide
-    rdzv = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
-                                max_nodes=max_nodes, **spec.rdzv_options())
+    rdzv = RendezvousParameters(
+        backend="c10d",
+        endpoint=endpoint,
+        run_id=run_id,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        **spec.rdzv_options(),
+    )
     if spec.nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks must not fight over the cores
     # The agent's shared TCPStore keeps the previous attempt's keys, so restarted ranks can read a dead
@@ -142,8 +148,15 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
         handler = rdzv_registry.get_rendezvous_handler(rdzv)
     except (RendezvousError, ValueError, OSError) as exc:
         raise RendezvousFailedError(f"cannot start the rendezvous at {endpoint}: {exc}") from None
-    worker_spec = WorkerSpec(role=role, local_world_size=spec.nproc, entrypoint=entrypoint, args=args,
-                             rdzv_handler=handler, max_restarts=max_restarts, monitor_interval=0.1)
+    worker_spec = WorkerSpec(
+        role=role,
+        local_world_size=spec.nproc,
+        entrypoint=entrypoint,
+        args=args,
+        rdzv_handler=handler,
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+    )
     board = None
     if heartbeats:
         board = open_board(spec.nproc)
@@ -166,9 +179,18 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
 
     if start_method == "forkserver":  # after the ranks' environment is set: they inherit the server's
         start_server()
-    agent = PhalanxAgent(worker_spec, DefaultLogsSpecs(), safe=config.safe, run_dir=work_dir,
-                         events=JsonlEventSink(work_dir), board=board, newest_checkpoint_step=newest_step,
-                         before_restart=before_restart, cold_start=cold_start, start_method=start_method)
+    agent = PhalanxAgent(
+        worker_spec,
+        DefaultLogsSpecs(),
+        safe=config.safe,
+        run_dir=work_dir,
+        events=JsonlEventSink(work_dir),
+        board=board,
+        newest_checkpoint_step=newest_step,
+        before_restart=before_restart,
+        cold_start=cold_start,
+        start_method=start_method,
+    )
     # torch's elastic agent logs every stop and failure in its own format ("W1201 12:00:00.0 ... Sending
     # process 123 closing signal SIGTERM"); the agent says them in phalanx's words, so torch's are only
     # shown under --debug.
@@ -210,6 +232,7 @@ def launch(spec: LaunchSpec, config: Config, one_shot: OneShot | None = None,
     if result.is_failed():
         if one_shot is not None:
             raise RestartsExhaustedError(f"the {role} failed: {agent.last_failure}")
-        raise RestartsExhaustedError(f"the run failed again after {config.safe.max_restarts} restarts; "
-                                     f"last failure: {agent.last_failure}")
+        raise RestartsExhaustedError(
+            f"the run failed again after {config.safe.max_restarts} restarts; last failure: {agent.last_failure}"
+        )
     return agent.hosts_rank0

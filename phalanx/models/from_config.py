@@ -23,6 +23,8 @@ def model_args(section: ModelSection, tokenizer_vocab: int | None = None, seq_le
             raise PhalanxError(f"model.vocab_size={chosen} is smaller than the tokenizer's {tokenizer_vocab} tokens")
     args = dataclasses.replace(get_preset(section.preset), **overrides)
     if seq_len is not None and seq_len > args.max_seq_len:
-        raise PhalanxError(f"sequence length {seq_len} (train.seq_len, or bench --seq-len) exceeds the model's "
-                           f"max_seq_len={args.max_seq_len} (model.max_seq_len)")
+        raise PhalanxError(
+            f"sequence length {seq_len} (train.seq_len, or bench --seq-len) exceeds the model's "
+            f"max_seq_len={args.max_seq_len} (model.max_seq_len)"
+        )
     return args

@@ -63,10 +63,19 @@ def shared_input_linears(x: torch.Tensor, linears: list[nn.Linear]) -> tuple[tor
     plain nn.Linear modules; anything else (inference, whose numerics serving pins; DTensor weights under
     tensor parallelism, whose sharding plans hook the modules; replaced or hooked modules) calls the
     modules as before."""
-    fusable = (torch.is_grad_enabled() and is_plain(x)
-               and all(type(m) is nn.Linear and m.bias is None and not m._forward_hooks
-                       and not m._forward_pre_hooks and is_plain(m.weight) and m.weight.requires_grad
-                       for m in linears))
+    fusable = (
+        torch.is_grad_enabled()
+        and is_plain(x)
+        and all(
+            type(m) is nn.Linear
+            and m.bias is None
+            and not m._forward_hooks
+            and not m._forward_pre_hooks
+            and is_plain(m.weight)
+            and m.weight.requires_grad
+            for m in linears
+        )
+    )
     if not fusable:
         return tuple(m(x) for m in linears)
     device = x.device.type

@@ -61,10 +61,15 @@ class ModelArgs:
             raise PhalanxError(f"model n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise PhalanxError(f"model head_dim (dim / n_heads) must be even for RoPE, got {self.head_dim}")
-        if self.rope_scaling_factor < 1 or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor \
-                or self.rope_original_max_seq_len <= 0:
-            raise PhalanxError("model RoPE scaling needs rope_scaling_factor >= 1, 0 < rope_low_freq_factor < "
-                               "rope_high_freq_factor and a positive rope_original_max_seq_len")
+        if (
+            self.rope_scaling_factor < 1
+            or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            or self.rope_original_max_seq_len <= 0
+        ):
+            raise PhalanxError(
+                "model RoPE scaling needs rope_scaling_factor >= 1, 0 < rope_low_freq_factor < "
+                "rope_high_freq_factor and a positive rope_original_max_seq_len"
+            )
 
 
 class KVCache:
@@ -106,16 +111,21 @@ def rope_frequency_divisors(args: ModelArgs, device=None) -> torch.Tensor | None
         return None
     inv_freq = rope_inverse_frequencies(args.head_dim, args.rope_theta, device)
     wavelength = 2 * math.pi / inv_freq
-    factor, low, high, context = (args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor,
-                                  args.rope_original_max_seq_len)
+    factor, low, high, context = (
+        args.rope_scaling_factor,
+        args.rope_low_freq_factor,
+        args.rope_high_freq_factor,
+        args.rope_original_max_seq_len,
+    )
     smooth = ((context / wavelength - low) / (high - low)).clamp(0, 1)  # 0 at the long end, 1 at the short
     divisors = 1.0 / ((1 - smooth) / factor + smooth)
     divisors = torch.where(wavelength < context / high, torch.ones_like(divisors), divisors)
     return torch.where(wavelength > context / low, torch.full_like(divisors, factor), divisors)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
-                divisors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device=None, divisors: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each (max_seq_len, E), float32, in HF's layout: the E/2 frequencies repeated twice.
     `divisors` (rope_frequency_divisors) slow frequencies down for long contexts."""
     inv_freq = rope_inverse_frequencies(head_dim, theta, device)
@@ -153,8 +163,14 @@ def rotate(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, signed_sin_TE: torch.Tens
     # keeps the composite, the ops serving's decode-step timings were measured with (its tensors are tiny,
     # so op count matters there more than passes). Compiled, inductor fuses the composite anyway (and
     # dynamo refuses _rotated's strided out=).
-    if (torch.is_grad_enabled() and x_BNTE.requires_grad and is_plain(x_BNTE) and not cos_TE.requires_grad
-            and not signed_sin_TE.requires_grad and not torch.compiler.is_compiling()):
+    if (
+        torch.is_grad_enabled()
+        and x_BNTE.requires_grad
+        and is_plain(x_BNTE)
+        and not cos_TE.requires_grad
+        and not signed_sin_TE.requires_grad
+        and not torch.compiler.is_compiling()
+    ):
         return _Rotation.apply(x_BNTE, cos_TE, signed_sin_TE)
     x1, x2 = x_BNTE.chunk(2, dim=-1)
     return x_BNTE * cos_TE + torch.cat((x2, x1), dim=-1) * signed_sin_TE
@@ -164,8 +180,9 @@ def _rotated(x_BNTE: torch.Tensor, cos_TE: torch.Tensor, signed_sin_TE: torch.Te
     """x * cos + cat(x2, x1) * signed_sin, the same products and sum (so the same bits), with the swapped
     halves' products written straight into their places instead of concatenating x's halves first."""
     half = x_BNTE.shape[-1] // 2
-    swapped = torch.empty(torch.broadcast_shapes(x_BNTE.shape, signed_sin_TE.shape), dtype=x_BNTE.dtype,
-                          device=x_BNTE.device)
+    swapped = torch.empty(
+        torch.broadcast_shapes(x_BNTE.shape, signed_sin_TE.shape), dtype=x_BNTE.dtype, device=x_BNTE.device
+    )
     torch.mul(x_BNTE[..., half:], signed_sin_TE[..., :half], out=swapped[..., :half])
     torch.mul(x_BNTE[..., :half], signed_sin_TE[..., half:], out=swapped[..., half:])
     return (x_BNTE * cos_TE).add_(swapped)
@@ -329,8 +346,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x_BTD, cos_TE, signed_sin_TE, kv_cache=None, start_pos: int = 0, decode_rows=None):
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TE, signed_sin_TE, kv_cache, start_pos,
-                                       decode_rows)
+        h_BTD = x_BTD + self.attention(
+            self.attention_norm(x_BTD), cos_TE, signed_sin_TE, kv_cache, start_pos, decode_rows
+        )
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -407,13 +425,19 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_rope(self) -> None:
         args, device = self.args, self.rope_cos.device
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, device,
-                               rope_frequency_divisors(args, device))
+        cos, sin = rope_tables(
+            args.head_dim, args.max_seq_len, args.rope_theta, device, rope_frequency_divisors(args, device)
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens_BT: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
-                positions_B: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+        positions_B: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits (B, T, V) in the compute dtype; the caller takes .float() for the loss.
 
         positions_B (with a cache, T == 1, ignoring start_pos): row b's token sits at position
@@ -441,8 +465,7 @@ class Transformer(nn.Module):
         cos_TE, signed_sin_TE = rope_rotation(cos_TE, sin_TE, rope_dtype(x_BTD))
         rows = DecodeRows.of(positions_B, cache.max_len) if positions_B is not None else None
         for i, layer in enumerate(self.layers):
-            x_BTD = layer(x_BTD, cos_TE, signed_sin_TE, cache.layer(i) if cache is not None else None, start_pos,
-                          rows)
+            x_BTD = layer(x_BTD, cos_TE, signed_sin_TE, cache.layer(i) if cache is not None else None, start_pos, rows)
         return self.output(self.norm(x_BTD))
 
     def hidden_states(self, tokens_BT: torch.Tensor) -> torch.Tensor:

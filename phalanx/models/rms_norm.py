@@ -53,7 +53,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * RMSNorm(x) in float32, cast back to x's dtype before the weight (HF's order). The
     hand-written backward is used while training plain CPU tensors; elsewhere (inference, GPUs, where
     F.rms_norm is one fused kernel; DTensors under tensor parallelism) the composite runs."""
-    if (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) and x.device.type == "cpu"
-            and is_plain(x) and is_plain(weight)):
+    if (
+        torch.is_grad_enabled()
+        and (x.requires_grad or weight.requires_grad)
+        and x.device.type == "cpu"
+        and is_plain(x)
+        and is_plain(weight)
+    ):
         return _RMSNormFunction.apply(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)

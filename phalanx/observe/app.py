@@ -52,8 +52,8 @@ MAX_ANNOTATION_BYTES = 16_384  # 20 tags and a 4,000-character note, JSON-escape
 # Plotly injects its own <style> elements, hence 'unsafe-inline' for styles only; scripts are ours.
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
-                               "img-src 'self' data: blob:; connect-src 'self'; frame-ancestors 'none'; "
-                               "form-action 'self'; base-uri 'none'; object-src 'none'",
+    "img-src 'self' data: blob:; connect-src 'self'; frame-ancestors 'none'; "
+    "form-action 'self'; base-uri 'none'; object-src 'none'",
     "x-content-type-options": "nosniff",
     # Nothing to other sites; the dashboard's own form posts keep their Origin (no-referrer makes it "null").
     "referrer-policy": "same-origin",
@@ -68,8 +68,12 @@ def plotly_js_path() -> Path:
     return path
 
 
-def create_app(store: RunStore, token: str | None = None, allowed_hosts: tuple[str, ...] = (),
-               body_timeout: float = BODY_TIMEOUT_SECONDS) -> ASGIApp:
+def create_app(
+    store: RunStore,
+    token: str | None = None,
+    allowed_hosts: tuple[str, ...] = (),
+    body_timeout: float = BODY_TIMEOUT_SECONDS,
+) -> ASGIApp:
     """The dashboard over `store`; with a token every route but /health, /login and /logout needs it.
     allowed_hosts: Host names answered besides loopback names and IP addresses (phalanx/http_guard.py)."""
     plotly_js = plotly_js_path()
@@ -78,10 +82,19 @@ def create_app(store: RunStore, token: str | None = None, allowed_hosts: tuple[s
     disable_created_metrics()  # prometheus_client's switch is process-wide; phalanx wants them nowhere
     registry = CollectorRegistry(auto_describe=True)
     registry.register(StoreCollector(store))
-    requests = Counter("phalanx_dashboard_requests", "HTTP requests the dashboard answered",
-                       ["method", "route", "status"], registry=registry)
-    latency = Histogram("phalanx_dashboard_request_seconds", "Time to answer a dashboard request",
-                        ["route"], registry=registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+    requests = Counter(
+        "phalanx_dashboard_requests",
+        "HTTP requests the dashboard answered",
+        ["method", "route", "status"],
+        registry=registry,
+    )
+    latency = Histogram(
+        "phalanx_dashboard_request_seconds",
+        "Time to answer a dashboard request",
+        ["route"],
+        registry=registry,
+        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+    )
 
     app = FastAPI(title="phalanx dashboard", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -148,8 +161,9 @@ def create_app(store: RunStore, token: str | None = None, allowed_hosts: tuple[s
         return SafeJSONResponse({"now": time.time(), "runs": store.list_runs()})
 
     @app.get("/api/runs/{run_id}")
-    def api_run(request: Request, run_id: str, x: str | None = None, smooth: str | None = None,
-                log: str | None = None) -> Response:
+    def api_run(
+        request: Request, run_id: str, x: str | None = None, smooth: str | None = None, log: str | None = None
+    ) -> Response:
         run = find(request, run_id)
         if isinstance(run, Response):
             return run
@@ -184,8 +198,13 @@ def create_app(store: RunStore, token: str | None = None, allowed_hosts: tuple[s
             return error(request, 400, str(exc))
 
     @app.get("/api/compare")
-    def api_compare(request: Request, ids: str | None = None, x: str | None = None, smooth: str | None = None,
-                    log: str | None = None) -> Response:
+    def api_compare(
+        request: Request,
+        ids: str | None = None,
+        x: str | None = None,
+        smooth: str | None = None,
+        log: str | None = None,
+    ) -> Response:
         run_ids = find_many(request, ids)
         if isinstance(run_ids, Response):
             return run_ids
@@ -242,8 +261,9 @@ def create_app(store: RunStore, token: str | None = None, allowed_hosts: tuple[s
     # -- static files: ours, and plotly.js from the plotly package -------------------------------------
     @app.get("/static/plotly.min.js")
     def plotly() -> Response:
-        return FileResponse(plotly_js, media_type="text/javascript",
-                            headers={"cache-control": "private, max-age=86400"})
+        return FileResponse(
+            plotly_js, media_type="text/javascript", headers={"cache-control": "private, max-age=86400"}
+        )
 
     app.mount("/static", StaticFiles(directory=WEB / "static"), name="static")
     # A long run's page poll is ~800 KB of JSON (1,000-point curves, 8 GPUs' charts), a tenth of that
@@ -254,8 +274,7 @@ def create_app(store: RunStore, token: str | None = None, allowed_hosts: tuple[s
     if sign_in is not None:
         outer = auth.TokenAuth(outer, sign_in)
     # Before the token check: a page on another site is refused whether or not it holds a credential.
-    outer = HttpGuard(outer, allowed_hosts, json_paths=lambda path: path.startswith("/api/"),
-                      body_timeout=body_timeout)
+    outer = HttpGuard(outer, allowed_hosts, json_paths=lambda path: path.startswith("/api/"), body_timeout=body_timeout)
     return ObservedApp(outer, requests, latency)  # outermost: counts refused requests too
 
 
@@ -283,8 +302,9 @@ class ObservedApp:
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
-            route = getattr(scope.get("route"), "path", None) or ("/static" if scope["path"].startswith("/static/")
-                                                                   else "unmatched")
+            route = getattr(scope.get("route"), "path", None) or (
+                "/static" if scope["path"].startswith("/static/") else "unmatched"
+            )
             # Only the methods HTTP defines get their own label: any other word a client sends is "other".
             method = scope["method"] if scope["method"] in KNOWN_METHODS else "other"
             self.requests.labels(method, route, str(status[0])).inc()
@@ -308,8 +328,7 @@ class SafeJSONResponse(JSONResponse):
             return json.dumps(json_safe(content), separators=(",", ":")).encode()
 
 
-def serve(app: ASGIApp, sock: socket.socket, log_level: str = "warning",
-          trusted_proxies: tuple[str, ...] = ()) -> None:
+def serve(app: ASGIApp, sock: socket.socket, log_level: str = "warning", trusted_proxies: tuple[str, ...] = ()) -> None:
     """Serve `app` with uvicorn on an already bound socket until Ctrl-C."""
     import uvicorn
 

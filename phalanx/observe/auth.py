@@ -26,8 +26,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, RedirectRespons
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from phalanx.errors import PhalanxError
-from phalanx.http_guard import read_body_within
 from phalanx.http_auth import MIN_SECRET_CHARS, FailedAuthLimiter, bearer_token, check_secret, secret_matches
+from phalanx.http_guard import read_body_within
 from phalanx.listen import is_loopback
 
 COOKIE = "phalanx_session"
@@ -45,8 +45,10 @@ def check_exposure(host: str, token: str | None) -> None:
     """Refuse to serve beyond loopback without a token, or with one short enough to guess."""
     check_secret(token, "--token")
     if not is_loopback(host) and token is None:
-        raise PhalanxError(f"--host {host} serves the dashboard beyond this machine: set --token "
-                           "(or PHALANX_DASHBOARD_TOKEN) so only token holders can read it")
+        raise PhalanxError(
+            f"--host {host} serves the dashboard beyond this machine: set --token "
+            "(or PHALANX_DASHBOARD_TOKEN) so only token holders can read it"
+        )
 
 
 def safe_next(target: str | None) -> str:
@@ -110,8 +112,15 @@ class DashboardAuth:
         self.sessions = sessions or Sessions()
 
     def login(self, response: Response, secure: bool) -> None:
-        response.set_cookie(COOKIE, self.sessions.open(), max_age=int(self.sessions.lifetime), httponly=True,
-                            samesite="strict", secure=secure, path="/")
+        response.set_cookie(
+            COOKIE,
+            self.sessions.open(),
+            max_age=int(self.sessions.lifetime),
+            httponly=True,
+            samesite="strict",
+            secure=secure,
+            path="/",
+        )
 
     def logout(self, request: Request, response: Response) -> None:
         self.sessions.close(request.cookies.get(COOKIE))
@@ -155,8 +164,11 @@ class TokenAuth:
     @staticmethod
     def refusal(scope: Scope, path: str) -> Response:
         if path.startswith(MACHINE_PREFIXES):
-            return JSONResponse({"error": "authentication required: send Authorization: Bearer TOKEN"},
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return JSONResponse(
+                {"error": "authentication required: send Authorization: Bearer TOKEN"},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         query = scope.get("query_string", b"").decode("latin-1")
         target = path + (f"?{query}" if query else "")
         return RedirectResponse(f"/login?next={quote(target, safe='')}", status_code=303)

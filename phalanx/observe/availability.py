@@ -40,8 +40,10 @@ def store_in_use(config: Config) -> bool:
         _require_named_store(config.observe.store)
     if not _noted:
         _noted = True
-        say("note: the run store is skipped: it needs phalanx's observe extra (pip install 'phalanx[observe]'); "
-            "`phalanx runs import RUN_DIR` copies a run in later")
+        say(
+            "note: the run store is skipped: it needs phalanx's observe extra (pip install 'phalanx[observe]'); "
+            "`phalanx runs import RUN_DIR` copies a run in later"
+        )
     return False
 
 

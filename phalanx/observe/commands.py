@@ -18,23 +18,38 @@ def _register_dashboard(app: typer.Typer) -> None:
     @app.command()
     def dashboard(
         runs: str | None = typer.Option(
-            None, "--runs", metavar="DIR", help="Runs root whose store file phalanx.db to show (default ./runs)."),
+            None, "--runs", metavar="DIR", help="Runs root whose store file phalanx.db to show (default ./runs)."
+        ),
         store: str | None = typer.Option(
-            None, "--store", metavar="URL", help="A store URL (postgresql://...) or file, instead of --runs."),
+            None, "--store", metavar="URL", help="A store URL (postgresql://...) or file, instead of --runs."
+        ),
         host: str = typer.Option(
-            "127.0.0.1", "--host", metavar="ADDRESS", help="Address to listen on; beyond loopback needs --token."),
+            "127.0.0.1", "--host", metavar="ADDRESS", help="Address to listen on; beyond loopback needs --token."
+        ),
         port: int = typer.Option(8765, "--port", min=0, max=65535, help="Port to listen on (0: any free port)."),
         token: str | None = typer.Option(
-            None, "--token", metavar="TOKEN", envvar="PHALANX_DASHBOARD_TOKEN",
-            help="Require this token (Bearer header or /login form) from every client."),
+            None,
+            "--token",
+            metavar="TOKEN",
+            envvar="PHALANX_DASHBOARD_TOKEN",
+            help="Require this token (Bearer header or /login form) from every client.",
+        ),
         allowed_hosts: list[str] = typer.Option(
-            [], "--allowed-host", metavar="NAME", envvar="PHALANX_ALLOWED_HOSTS",
+            [],
+            "--allowed-host",
+            metavar="NAME",
+            envvar="PHALANX_ALLOWED_HOSTS",
             help="A Host name to answer besides loopback names, IP addresses and this machine's name "
-                 "(repeatable; .example.org: all names under it)."),
+            "(repeatable; .example.org: all names under it).",
+        ),
         proxies: list[str] = typer.Option(
-            [], "--trusted-proxy", metavar="ADDRESS", envvar="PHALANX_TRUSTED_PROXIES",
+            [],
+            "--trusted-proxy",
+            metavar="ADDRESS",
+            envvar="PHALANX_TRUSTED_PROXIES",
             help="An address or network (repeatable) whose X-Forwarded-For header names the client: your reverse "
-                 "proxy. Without one the header is ignored, so a client cannot pick its own address."),
+            "proxy. Without one the header is ignored, so a client cannot pick its own address.",
+        ),
     ) -> None:
         """Serve the web dashboard: runs, live curves, rank heatmap, events, goodput, /metrics.
 
@@ -61,10 +76,16 @@ def _register_dashboard(app: typer.Typer) -> None:
         run_store = RunStore.open(store, Path(runs or "runs"), create=False)
         sock = bind(host, port)
         shown = f"[{host}]" if ":" in host else host
-        print(f"phalanx dashboard at http://{shown}:{sock.getsockname()[1]}/ (store {redact(run_store.url)}"
-              f"{', token required' if token else ''}); Ctrl-C stops it", flush=True)
+        print(
+            f"phalanx dashboard at http://{shown}:{sock.getsockname()[1]}/ (store {redact(run_store.url)}"
+            f"{', token required' if token else ''}); Ctrl-C stops it",
+            flush=True,
+        )
         try:
-            serve(create_app(run_store, token, allowed_hosts=server_hosts(host, allowed_hosts)), sock,
-                  trusted_proxies=trusted)
+            serve(
+                create_app(run_store, token, allowed_hosts=server_hosts(host, allowed_hosts)),
+                sock,
+                trusted_proxies=trusted,
+            )
         finally:
             run_store.close()

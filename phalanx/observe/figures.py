@@ -40,8 +40,10 @@ SMOOTHED = {"loss", "grad_norm", "tokens_per_sec", "mfu", "step_seconds"}
 # Charts with restarts, rollbacks and checkpoint saves drawn on them as vertical lines.
 MARKED = {"loss", "tokens_per_sec"}
 # Why a line chart may stay empty for a whole run: it is hidden, and the page says why.
-NEVER_REPORTED = {"mfu": "not reported: no known peak FLOP/s for this device",
-                  "peak_mem_gib": "not reported on this device"}
+NEVER_REPORTED = {
+    "mfu": "not reported: no known peak FLOP/s for this device",
+    "peak_mem_gib": "not reported on this device",
+}
 
 # Event kinds drawn as marks on the loss and throughput charts: (kind, mark, colour, line dash).
 MARKS = (
@@ -53,8 +55,12 @@ MARKS = (
 
 # Event kinds by what they mean for the run: one timeline trace (and legend entry, colour) each.
 EVENT_GROUPS = (
-    ("failure", "#d62728", "x", ("worker_failed", "hang_detected", "save_failed", "checkpoint_corrupt",
-                                 "anomaly", "crash_loop")),
+    (
+        "failure",
+        "#d62728",
+        "x",
+        ("worker_failed", "hang_detected", "save_failed", "checkpoint_corrupt", "anomaly", "crash_loop"),
+    ),
     ("recovery", "#ff7f0e", "diamond", ("restart", "regroup", "rollback", "step_skipped", "checkpoint_loaded")),
     ("straggler", "#9467bd", "triangle-up", ("straggler",)),
     ("telemetry", "#8c564b", "star", ("telemetry_alert",)),
@@ -64,9 +70,18 @@ EVENT_GROUPS = (
 OTHER_EVENTS = ("other", "#7f7f7f", "circle-open")
 
 # Goodput buckets in the order the report lists them; productive first, the losses after it.
-GOODPUT_COLOURS = {"productive": "#2ca02c", "redone": "#d62728", "skipped": "#e377c2", "eval": "#17becf",
-                   "checkpoint_save": "#1f77b4", "checkpoint_load": "#aec7e8", "startup": "#bcbd22",
-                   "detection": "#ff7f0e", "restart": "#ff9896", "other": "#7f7f7f"}
+GOODPUT_COLOURS = {
+    "productive": "#2ca02c",
+    "redone": "#d62728",
+    "skipped": "#e377c2",
+    "eval": "#17becf",
+    "checkpoint_save": "#1f77b4",
+    "checkpoint_load": "#aec7e8",
+    "startup": "#bcbd22",
+    "detection": "#ff7f0e",
+    "restart": "#ff9896",
+    "other": "#7f7f7f",
+}
 
 # System charts from the node agents' telemetry: (chart, host or devices, field, title, y title, tick
 # format, divisor).
@@ -79,13 +94,16 @@ SYSTEM_CHARTS = (
     ("sys_device_temp", "devices", "temperature_c", "Accelerator temperature", "°C", "", 1),
     ("sys_device_power", "devices", "power_w", "Accelerator power", "W", "", 1),
 )
-NO_TELEMETRY = ("no hardware telemetry stored for this run (observe.telemetry_interval_s=0, or it trained "
-                "before the store kept telemetry)")
-NO_DEVICE_TELEMETRY = ("no accelerator telemetry: a CPU run, or the node has neither pynvml (NVIDIA, "
-                       "pip install 'phalanx[nvidia]') nor amdsmi (AMD)")
+NO_TELEMETRY = (
+    "no hardware telemetry stored for this run (observe.telemetry_interval_s=0, or it trained "
+    "before the store kept telemetry)"
+)
+NO_DEVICE_TELEMETRY = (
+    "no accelerator telemetry: a CPU run, or the node has neither pynvml (NVIDIA, "
+    "pip install 'phalanx[nvidia]') nor amdsmi (AMD)"
+)
 
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf")
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 _BASE_LAYOUT: dict[str, Any] = {
     "margin": {"l": 60, "r": 20, "t": 40, "b": 45},
@@ -168,9 +186,16 @@ def run_figures(data: dict[str, Any], options: ChartOptions = ChartOptions()) ->
     figures = {"loss": loss_figure(series, axis, options, marks)}
     for field, title, y_title, tick_format in LINE_CHARTS:
         empty_text = NEVER_REPORTED.get(field, "no data yet") if series["step"] else "no data yet"
-        figures[field] = line_figure(axis.steps(series["step"], series.get("time")), series[field], title, y_title,
-                                     tick_format, empty_text, smooth=options.smooth if field in SMOOTHED else 0.0,
-                                     log=options.log and field != "lr")
+        figures[field] = line_figure(
+            axis.steps(series["step"], series.get("time")),
+            series[field],
+            title,
+            y_title,
+            tick_format,
+            empty_text,
+            smooth=options.smooth if field in SMOOTHED else 0.0,
+            log=options.log and field != "lr",
+        )
         axis.layout(figures[field])
         if field in MARKED:
             add_marks(figures[field], marks, legend=False)  # a small chart: its legend would cover the axis
@@ -189,8 +214,10 @@ def break_at_restarts(series: dict[str, list], events: list[dict[str, Any]]) -> 
     if not restarts:
         return series
     out = dict(series)
-    for time_key, keys in (("time", [k for k in series if not k.startswith("val_")]),
-                           ("val_time", [k for k in series if k.startswith("val_")])):
+    for time_key, keys in (
+        ("time", [k for k in series if not k.startswith("val_")]),
+        ("val_time", [k for k in series if k.startswith("val_")]),
+    ):
         if not series.get(time_key):
             continue
         broken: dict[str, list] = {k: [] for k in keys}
@@ -236,14 +263,24 @@ def mfu_note(data: dict[str, Any]) -> str | None:
     return f"unknown {where}: no peak FLOP/s to compare with (set train.peak_tflops)"
 
 
-def loss_figure(series: dict[str, list], axis: XAxis | None = None, options: ChartOptions = ChartOptions(),
-                marks: list[dict[str, Any]] | None = None) -> Figure:
+def loss_figure(
+    series: dict[str, list],
+    axis: XAxis | None = None,
+    options: ChartOptions = ChartOptions(),
+    marks: list[dict[str, Any]] | None = None,
+) -> Figure:
     axis = axis or XAxis(series, "step")
-    traces = _smoothed(axis.steps(series["step"], series.get("time")), series["loss"], "train loss", PALETTE[0],
-                       options.smooth)
+    traces = _smoothed(
+        axis.steps(series["step"], series.get("time")), series["loss"], "train loss", PALETTE[0], options.smooth
+    )
     if series["val_step"]:
-        traces.append({**_line(axis.steps(series["val_step"], series.get("val_time")), series["val_loss"],
-                               "validation loss"), "mode": "lines+markers", "line": {"color": PALETTE[1]}})
+        traces.append(
+            {
+                **_line(axis.steps(series["val_step"], series.get("val_time")), series["val_loss"], "validation loss"),
+                "mode": "lines+markers",
+                "line": {"color": PALETTE[1]},
+            }
+        )
     figure = _figure(traces, "Loss", "step", "loss", empty=not series["step"])
     axis.layout(figure)
     if options.log:
@@ -252,10 +289,24 @@ def loss_figure(series: dict[str, list], axis: XAxis | None = None, options: Cha
     return figure
 
 
-def line_figure(x: list, values: list[float | None], title: str, y_title: str, tick_format: str = "",
-                empty_text: str = "no data yet", smooth: float = 0.0, log: bool = False) -> Figure:
-    figure = _figure(_smoothed(x, values, title, PALETTE[0], smooth), title, "step", y_title,
-                     empty=not any(v is not None for v in values), empty_text=empty_text)
+def line_figure(
+    x: list,
+    values: list[float | None],
+    title: str,
+    y_title: str,
+    tick_format: str = "",
+    empty_text: str = "no data yet",
+    smooth: float = 0.0,
+    log: bool = False,
+) -> Figure:
+    figure = _figure(
+        _smoothed(x, values, title, PALETTE[0], smooth),
+        title,
+        "step",
+        y_title,
+        empty=not any(v is not None for v in values),
+        empty_text=empty_text,
+    )
     figure["layout"]["showlegend"] = False
     if tick_format:
         figure["layout"]["yaxis"]["tickformat"] = tick_format
@@ -277,7 +328,7 @@ def smooth_values(values: list[float | None], weight: float) -> list[float | Non
             continue
         average, count = average * weight + (1 - weight) * value, count + 1
         low, high = min(low, value), max(high, value)
-        out.append(min(high, max(low, average / (1 - weight ** count))) if weight else value)
+        out.append(min(high, max(low, average / (1 - weight**count))) if weight else value)
     return out
 
 
@@ -290,8 +341,15 @@ def run_marks(events: list[dict[str, Any]], event_steps: list[int] | None, axis:
     for event, step in zip(events, steps):
         if event["kind"] in kinds:
             label, colour, dash = kinds[event["kind"]]
-            marks.append({"label": label, "colour": colour, "dash": dash, "x": axis.event(step, event["time"]),
-                          "hover": f"{event_hover(event)}<br>at step {step}"})
+            marks.append(
+                {
+                    "label": label,
+                    "colour": colour,
+                    "dash": dash,
+                    "x": axis.event(step, event["time"]),
+                    "hover": f"{event_hover(event)}<br>at step {step}",
+                }
+            )
     saves = [m for m in marks if m["label"] == "checkpoint saved"]
     if len(saves) > MAX_CHECKPOINT_MARKS:
         keep = {round(i * (len(saves) - 1) / (MAX_CHECKPOINT_MARKS - 1)) for i in range(MAX_CHECKPOINT_MARKS)}
@@ -309,15 +367,33 @@ def add_marks(figure: Figure, marks: list[dict[str, Any]], legend: bool = True) 
     groups: dict[str, list[dict[str, Any]]] = {}
     for mark in marks:
         groups.setdefault(mark["label"], []).append(mark)
-        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": mark["x"], "x1": mark["x"], "y0": 0,
-                       "y1": 1, "layer": "below", "line": {"color": mark["colour"], "width": 1, "dash": mark["dash"]}})
+        shapes.append(
+            {
+                "type": "line",
+                "xref": "x",
+                "yref": "paper",
+                "x0": mark["x"],
+                "x1": mark["x"],
+                "y0": 0,
+                "y1": 1,
+                "layer": "below",
+                "line": {"color": mark["colour"], "width": 1, "dash": mark["dash"]},
+            }
+        )
     for label, members in groups.items():
-        figure["data"].append({
-            "type": "scatter", "mode": "markers", "name": label, "yaxis": "y2",
-            "x": [m["x"] for m in members], "y": [1.0] * len(members),
-            "hovertext": [m["hover"] for m in members], "hoverinfo": "text",
-            "marker": {"color": members[0]["colour"], "symbol": "triangle-down", "size": 9},
-        })
+        figure["data"].append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": label,
+                "yaxis": "y2",
+                "x": [m["x"] for m in members],
+                "y": [1.0] * len(members),
+                "hovertext": [m["hover"] for m in members],
+                "hoverinfo": "text",
+                "marker": {"color": members[0]["colour"], "symbol": "triangle-down", "size": 9},
+            }
+        )
     figure["layout"]["yaxis2"] = {"overlaying": "y", "range": [0, 1.05], "visible": False, "fixedrange": True}
     figure["layout"]["showlegend"] = legend
 
@@ -352,8 +428,9 @@ def heatmap_figure(heatmap: dict[str, Any]) -> Figure:
     return figure
 
 
-def events_figure(events: list[dict[str, Any]], event_steps: list[int] | None = None,
-                  axis: XAxis | None = None) -> Figure:
+def events_figure(
+    events: list[dict[str, Any]], event_steps: list[int] | None = None, axis: XAxis | None = None
+) -> Figure:
     """The event log on the chosen axis (wall time by default): one marker per event, grouped by meaning,
     details on hover."""
     steps = event_steps if event_steps is not None else [e.get("step") or 0 for e in events]
@@ -366,14 +443,18 @@ def events_figure(events: list[dict[str, Any]], event_steps: list[int] | None = 
         members = grouped.get(name)
         if not members:
             continue
-        traces.append({
-            "type": "scatter", "mode": "markers", "name": name,
-            "x": [_local_time(e["time"]) if by_time else axis.event(s, e["time"]) for e, s in members],
-            "y": [_text(e["kind"]) for e, _ in members],  # tick labels are pseudo-HTML too
-            "hovertext": [f"{event_hover(e)}<br>at step {s}" for e, s in members],
-            "hoverinfo": "text",
-            "marker": {"color": colour, "symbol": symbol, "size": 11, "line": {"width": 1, "color": colour}},
-        })
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": name,
+                "x": [_local_time(e["time"]) if by_time else axis.event(s, e["time"]) for e, s in members],
+                "y": [_text(e["kind"]) for e, _ in members],  # tick labels are pseudo-HTML too
+                "hovertext": [f"{event_hover(e)}<br>at step {s}" for e, s in members],
+                "hoverinfo": "text",
+                "marker": {"color": colour, "symbol": symbol, "size": 11, "line": {"width": 1, "color": colour}},
+            }
+        )
     figure = _figure(traces, "Events", "time (dashboard server's clock)", "", empty=not events)
     if by_time:
         figure["layout"]["xaxis"]["type"] = "date"
@@ -392,7 +473,8 @@ def goodput_figure(report: dict[str, Any] | None) -> Figure:
     buckets = (report or {}).get("goodput") or {}
     names = list(buckets)
     trace = {
-        "type": "bar", "orientation": "h",
+        "type": "bar",
+        "orientation": "h",
         "x": [buckets[n] for n in names],
         "y": [_text(n) for n in names],
         "marker": {"color": [GOODPUT_COLOURS.get(n, "#7f7f7f") for n in names]},
@@ -420,10 +502,19 @@ def system_figures(telemetry: dict[str, list[dict[str, Any]]]) -> dict[str, Figu
                 if total:
                     label += f" (of {total / 2**30:.0f} GiB)"
             values = [v / divisor if v is not None else None for v in series[field]]
-            traces.append({**_line([_local_time(t) for t in series["time"]], values, _text(label)),
-                           "line": {"color": PALETTE[i % len(PALETTE)]}})
-        figure = _figure(traces, title, "time (dashboard server's clock)", y_title,
-                         empty=not any(v is not None for trace in traces for v in trace["y"]))
+            traces.append(
+                {
+                    **_line([_local_time(t) for t in series["time"]], values, _text(label)),
+                    "line": {"color": PALETTE[i % len(PALETTE)]},
+                }
+            )
+        figure = _figure(
+            traces,
+            title,
+            "time (dashboard server's clock)",
+            y_title,
+            empty=not any(v is not None for trace in traces for v in trace["y"]),
+        )
         figure["layout"]["xaxis"]["type"] = "date"
         figure["layout"]["showlegend"] = True
         if tick_format:
@@ -456,8 +547,7 @@ def compare_figures(runs: list[dict[str, Any]], options: ChartOptions = ChartOpt
             if axis.kind == "time":
                 series = break_at_restarts(series, entry.get("events", []))
                 start = next((t for t in series["time"] if t is not None), None)
-                x = [(t - start) / per_unit if t is not None and start is not None else None
-                     for t in series[time_key]]
+                x = [(t - start) / per_unit if t is not None and start is not None else None for t in series[time_key]]
                 x_title = f"time since the run's first step ({unit})"
             else:
                 x, x_title = axis.steps(series[steps_key]), axis.title
@@ -465,13 +555,20 @@ def compare_figures(runs: list[dict[str, Any]], options: ChartOptions = ChartOpt
             colour = run_colour(i)
             if field == "val_loss":
                 if series["val_step"]:
-                    traces.append({**_line(x, series["val_loss"], label), "mode": "lines+markers",
-                                   "line": {"color": colour, "dash": "dot"}})
+                    traces.append(
+                        {
+                            **_line(x, series["val_loss"], label),
+                            "mode": "lines+markers",
+                            "line": {"color": colour, "dash": "dot"},
+                        }
+                    )
             else:
-                traces += _smoothed(x, series[field], label, colour, options.smooth if field in SMOOTHED or
-                                    field == "loss" else 0.0)
-        figure = _figure(traces, title, x_title, y_title,
-                         empty=not any(v is not None for trace in traces for v in trace["y"]))
+                traces += _smoothed(
+                    x, series[field], label, colour, options.smooth if field in SMOOTHED or field == "loss" else 0.0
+                )
+        figure = _figure(
+            traces, title, x_title, y_title, empty=not any(v is not None for trace in traces for v in trace["y"])
+        )
         if options.x == "tokens" and x_title == "tokens":
             figure["layout"]["xaxis"]["tickformat"] = "~s"
         if tick_format:
@@ -494,8 +591,11 @@ def compare_hidden(runs: list[dict[str, Any]]) -> dict[str, str]:
     """Compare charts none of the runs has data for (MFU of CPU runs), and why."""
     hidden = {}
     for key, field, *_ in COMPARE_CHARTS:
-        if key in NEVER_REPORTED and any(e["series"]["step"] for e in runs) and \
-                not any(v is not None for e in runs for v in e["series"][field]):
+        if (
+            key in NEVER_REPORTED
+            and any(e["series"]["step"] for e in runs)
+            and not any(v is not None for e in runs for v in e["series"][field])
+        ):
             hidden[key] = NEVER_REPORTED[key]
     return hidden
 
@@ -503,8 +603,10 @@ def compare_hidden(runs: list[dict[str, Any]]) -> dict[str, str]:
 def event_hover(event: dict[str, Any]) -> str:
     """An event's hover text: kind, where, when, then its details one per line, all escaped."""
     where = ", ".join(f"{k} {event[k]}" for k in ("rank", "node") if event.get(k) is not None)
-    lines = [f"<b>{_text(event['kind'])}</b>" + (f" ({_text(where)})" if where else ""),
-             _text(_local_time(event["time"]))]
+    lines = [
+        f"<b>{_text(event['kind'])}</b>" + (f" ({_text(where)})" if where else ""),
+        _text(_local_time(event["time"])),
+    ]
     for key, value in event_details(event).items():
         text = value if isinstance(value, str) else json.dumps(value)
         if len(text) > 120:
@@ -522,10 +624,17 @@ def _smoothed(x: list, y: list, name: str, colour: str, weight: float) -> list[d
     toggled together from the legend."""
     if not weight:
         return [{**_line(x, y, name), "line": {"color": colour}}]
-    raw = {**_line(x, y, f"{name} (raw)"), "line": {"color": colour, "width": 1}, "opacity": 0.3,
-           "legendgroup": name, "showlegend": False}
-    return [raw, {**_line(x, smooth_values(y, weight), name), "line": {"color": colour, "width": 2},
-                  "legendgroup": name}]
+    raw = {
+        **_line(x, y, f"{name} (raw)"),
+        "line": {"color": colour, "width": 1},
+        "opacity": 0.3,
+        "legendgroup": name,
+        "showlegend": False,
+    }
+    return [
+        raw,
+        {**_line(x, smooth_values(y, weight), name), "line": {"color": colour, "width": 2}, "legendgroup": name},
+    ]
 
 
 def _tokens_per_step(series: dict[str, list], config: dict[str, Any] | None) -> float | None:
@@ -577,12 +686,25 @@ def _line(x: list, y: list, name: str) -> dict[str, Any]:
     return {"type": "scatter", "mode": "lines", "name": name, "x": x, "y": y}
 
 
-def _figure(traces: list[dict[str, Any]], title: str, x_title: str, y_title: str, empty: bool,
-            empty_text: str = "no data yet") -> Figure:
+def _figure(
+    traces: list[dict[str, Any]], title: str, x_title: str, y_title: str, empty: bool, empty_text: str = "no data yet"
+) -> Figure:
     layout = json.loads(json.dumps(_BASE_LAYOUT))  # a fresh copy: callers adjust it
-    layout.update(title={"text": _text(title), "x": 0.01}, xaxis={"title": {"text": x_title}, "zeroline": False},
-                  yaxis={"title": {"text": y_title}})
+    layout.update(
+        title={"text": _text(title), "x": 0.01},
+        xaxis={"title": {"text": x_title}, "zeroline": False},
+        yaxis={"title": {"text": y_title}},
+    )
     if empty:
-        layout["annotations"] = [{"text": _text(empty_text), "showarrow": False, "xref": "paper", "yref": "paper",
-                                  "x": 0.5, "y": 0.5, "font": {"size": 16, "color": "#888"}}]
+        layout["annotations"] = [
+            {
+                "text": _text(empty_text),
+                "showarrow": False,
+                "xref": "paper",
+                "yref": "paper",
+                "x": 0.5,
+                "y": 0.5,
+                "font": {"size": 16, "color": "#888"},
+            }
+        ]
     return {"data": traces, "layout": layout}

@@ -45,10 +45,19 @@ STORE_REBUILT, STORE_REFILLED = "store_rebuilt", "store_refilled"  # event kinds
 
 
 class RunFollower:
-    def __init__(self, run_dir: Path, run_name: str, wall_start: float, store: RunStore | None = None,
-                 run_id: int | None = None, interval: float = 1.0, tensorboard: bool = False,
-                 connect: Callable[[], tuple[RunStore, int]] | None = None,
-                 on_rebuilt: Callable[[RunStore], bool] | None = None, refill_pending: bool = False):
+    def __init__(
+        self,
+        run_dir: Path,
+        run_name: str,
+        wall_start: float,
+        store: RunStore | None = None,
+        run_id: int | None = None,
+        interval: float = 1.0,
+        tensorboard: bool = False,
+        connect: Callable[[], tuple[RunStore, int]] | None = None,
+        on_rebuilt: Callable[[RunStore], bool] | None = None,
+        refill_pending: bool = False,
+    ):
         """With `connect` (open the store, register the run, return both) the follower opens the store
         itself, retrying until it answers, and reopens it when its SQLite file is replaced; then
         `on_rebuilt` refills the new store with other runs, called on each pass until it says it is
@@ -76,7 +85,7 @@ class RunFollower:
         self._warned: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def start(self) -> "RunFollower":
+    def start(self) -> RunFollower:
         self._thread.start()
         return self
 
@@ -209,8 +218,9 @@ class RunFollower:
         self.store.close()
         self.store, self._identity = None, None
         self.rebuilds += 1
-        _print_warning(f"the run store {path} was deleted or replaced; rebuilding it from the run directory "
-                       f"{self.run_dir}")
+        _print_warning(
+            f"the run store {path} was deleted or replaced; rebuilding it from the run directory {self.run_dir}"
+        )
         if not self._attach():
             return
         # Said in the run's events (and so in the new store): its figures before now were copied again.
@@ -236,8 +246,9 @@ class RunFollower:
     def _update_state(self, metrics: list[dict], rank_records: list[dict], events: list[dict]) -> None:
         for m in metrics:
             if "loss" in m:
-                self.last.update({k: m.get(k) for k in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu",
-                                                        "tokens_seen")})
+                self.last.update(
+                    {k: m.get(k) for k in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "tokens_seen")}
+                )
                 if m.get("peak_mem_gib") is not None:
                     self.last["peak_mem_bytes"] = m["peak_mem_gib"] * 2**30
             if m.get("val_loss") is not None:
@@ -271,8 +282,12 @@ class RunFollower:
     def state(self) -> dict[str, Any]:
         """For the Prometheus collector."""
         with self._lock:
-            return {"run": self.run_name, "last": dict(self.last), "ranks": dict(self.ranks),
-                    "counts": dict(self.counts)}
+            return {
+                "run": self.run_name,
+                "last": dict(self.last),
+                "ranks": dict(self.ranks),
+                "counts": dict(self.counts),
+            }
 
     def _warn(self, message: str) -> None:
         if message not in self._warned:  # once each: an outage must not flood the training console
@@ -364,8 +379,15 @@ def _tensorboard_writer(run_dir: Path):
     return SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard))
 
 
-TENSORBOARD_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-                    "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu", "peak_mem_gib": "perf/peak_mem_gib"}
+TENSORBOARD_TAGS = {
+    "loss": "train/loss",
+    "val_loss": "val/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_sec": "perf/tokens_per_sec",
+    "mfu": "perf/mfu",
+    "peak_mem_gib": "perf/peak_mem_gib",
+}
 
 
 def _write_tensorboard(writer: Any, metrics: list[dict]) -> None:

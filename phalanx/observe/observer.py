@@ -51,18 +51,37 @@ def observe_run(config: Config, node_rank: int, world_size: int, model: str, sta
 
         url = store_url(config.observe.store, config.run.dir)
         check_url(url)  # a URL that can never work is bad input now, not a warning in the writer
-        writer = StoreWriter({
-            "url": url, "run_dir": str(config.run_dir), "name": config.run.name, "wall_start": started,
-            "interval": config.observe.sync_interval_s, "retry_s": config.observe.store_retry_s,
-            "register": {"config": json.loads(config.model_dump_json()), "model": model, "world_size": world_size,
-                         "max_steps": config.train.max_steps, "node": socket.gethostname()}})
+        writer = StoreWriter(
+            {
+                "url": url,
+                "run_dir": str(config.run_dir),
+                "name": config.run.name,
+                "wall_start": started,
+                "interval": config.observe.sync_interval_s,
+                "retry_s": config.observe.store_retry_s,
+                "register": {
+                    "config": json.loads(config.model_dump_json()),
+                    "model": model,
+                    "world_size": world_size,
+                    "max_steps": config.train.max_steps,
+                    "node": socket.gethostname(),
+                },
+            }
+        )
     follower = telemetry = server = None
     status, error = "finished", None
     try:
         if node_rank == 0 and (config.observe.metrics_port is not None or config.observe.tensorboard):
             # The agent's own follower only feeds /metrics and TensorBoard: the writer has the store.
-            follower = RunFollower(config.run_dir, config.run.name, started, None, None,
-                                   config.observe.sync_interval_s, config.observe.tensorboard).start()
+            follower = RunFollower(
+                config.run_dir,
+                config.run.name,
+                started,
+                None,
+                None,
+                config.observe.sync_interval_s,
+                config.observe.tensorboard,
+            ).start()
         if config.observe.telemetry_interval_s > 0:
             telemetry = TelemetrySampler(config.run_dir, config.observe, JsonlEventSink(config.run_dir)).start()
         server = _start_metrics_server(config, node_rank, follower, telemetry)
@@ -91,14 +110,18 @@ def _warn(message: str) -> None:
 
 def _final_status(config: Config, status: str) -> str:
     """A run halted early on purpose (train.halt_at_step) is stopped, not finished: it will resume."""
-    if status == "finished" and config.train.halt_at_step is not None and \
-            config.train.halt_at_step < config.train.max_steps:
+    if (
+        status == "finished"
+        and config.train.halt_at_step is not None
+        and config.train.halt_at_step < config.train.max_steps
+    ):
         return "stopped"
     return status
 
 
-def _start_metrics_server(config: Config, node_rank: int, follower: RunFollower | None,
-                          telemetry: TelemetrySampler | None) -> Any:
+def _start_metrics_server(
+    config: Config, node_rank: int, follower: RunFollower | None, telemetry: TelemetrySampler | None
+) -> Any:
     """The node's /metrics: the run's progress (node 0, which follows the run) and this node's hardware."""
     port = config.observe.metrics_port
     if port is None:
@@ -141,19 +164,33 @@ def sync_run_dir(store: RunStore, run_dir: Path) -> tuple[int, bool]:
         if known is None:
             config = load_config(str(run.config), [])
             stored = resolved(config, *_trained_with(run_dir, config))  # as `phalanx train` stores it
-            run_id = store.start_run(run_dir.name, run_dir, json.loads(stored.model_dump_json()),
-                                     config.model.preset, None, config.train.max_steps, socket.gethostname())
+            run_id = store.start_run(
+                run_dir.name,
+                run_dir,
+                json.loads(stored.model_dump_json()),
+                config.model.preset,
+                None,
+                config.train.max_steps,
+                socket.gethostname(),
+            )
         else:
             run_id = known  # registered by its launch: its name, config and nodes stay as that stored them
         if not RunFollower(run_dir, run_dir.name, time.time(), store, run_id).sync():  # it said why
-            raise StoreError(f"the run store did not take all of {run_dir} yet; importing it again adds the rest",
-                             transient=True)
+            raise StoreError(
+                f"the run store did not take all of {run_dir} yet; importing it again adds the rest", transient=True
+            )
         summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
         if "goodput" in summary:  # `phalanx train` adds the launch's goodput report to the summary
-            store.set_goodput(run_id, {k: summary.get(k) for k in ("restarts", "faults", "stragglers", "goodput",
-                                                                    "ettr")})
-        status = "failed" if summary.get("final_save_failed") else \
-            "finished" if summary and not summary.get("halted") else "stopped"
+            store.set_goodput(
+                run_id, {k: summary.get(k) for k in ("restarts", "faults", "stragglers", "goodput", "ettr")}
+            )
+        status = (
+            "failed"
+            if summary.get("final_save_failed")
+            else "finished"
+            if summary and not summary.get("halted")
+            else "stopped"
+        )
         # A status its launch stored stays; one the launch could not store (it still says running) is set.
         if known is None or store.run(run_id)["status"] in ("running", "restarting"):
             store.finish_run(run_id, status)

@@ -61,8 +61,9 @@ def run_answer(store: RunStore, run_id: int, options: ChartOptions) -> dict[str,
 def compare_data(store: RunStore, run_ids: list[int], by_time: bool = False) -> list[dict[str, Any]]:
     """The curves of several runs, for overlaying; on a time axis with their restarts, where the
     curves break."""
-    runs = [{"run": store.run(run_id), "series": store.series(run_id, MAX_POINTS, every_run=by_time)}
-            for run_id in run_ids]
+    runs = [
+        {"run": store.run(run_id), "series": store.series(run_id, MAX_POINTS, every_run=by_time)} for run_id in run_ids
+    ]
     if by_time:
         for entry in runs:
             entry["events"] = [e for e in store.events(entry["run"]["id"]) if e["kind"] in ("restart", "regroup")]
@@ -72,8 +73,13 @@ def compare_data(store: RunStore, run_ids: list[int], by_time: bool = False) -> 
 def compare_answer(store: RunStore, run_ids: list[int], options: ChartOptions) -> dict[str, Any]:
     """GET /api/compare: the runs, where their configs differ, and every training chart overlaid."""
     runs = compare_data(store, run_ids, by_time=options.x == "time")
-    answer = {"runs": runs, "config_diff": config_differences([entry["run"].get("config") for entry in runs]),
-              "figures": compare_figures(runs, options), "hidden": compare_hidden(runs), "now": time.time()}
+    answer = {
+        "runs": runs,
+        "config_diff": config_differences([entry["run"].get("config") for entry in runs]),
+        "figures": compare_figures(runs, options),
+        "hidden": compare_hidden(runs),
+        "now": time.time(),
+    }
     for i, entry in enumerate(runs):
         entry["colour"] = run_colour(i)
         entry.pop("events", None)
@@ -84,8 +90,9 @@ def compare_answer(store: RunStore, run_ids: list[int], options: ChartOptions) -
 def warmup_steps(events: list[dict[str, Any]]) -> frozenset[int]:
     """The first step of each launch (it compiles kernels and allocates memory): step 1 and the step
     after each place training (re)started."""
-    return frozenset({1} | {e["step"] + 1 for e in events
-                            if e["kind"] == "training_started" and isinstance(e.get("step"), int)})
+    return frozenset(
+        {1} | {e["step"] + 1 for e in events if e["kind"] == "training_started" and isinstance(e.get("step"), int)}
+    )
 
 
 def event_steps(store: RunStore, run_id: int, events: list[dict[str, Any]]) -> list[int]:
@@ -103,8 +110,11 @@ def config_differences(configs: list[dict[str, Any] | None]) -> list[dict[str, A
     a run's config lacks the key). run.* (name, directory) always differs and is left out, as in
     `phalanx runs compare`."""
     flat = [_flatten(config or {}) for config in configs]
-    keys = sorted(k for k in set().union(*flat) if not k.startswith("run.")
-                  and len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1)
+    keys = sorted(
+        k
+        for k in set().union(*flat)
+        if not k.startswith("run.") and len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1
+    )
     return [{"key": key, "values": [f.get(key) for f in flat]} for key in keys]
 
 

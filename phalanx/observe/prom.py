@@ -29,8 +29,14 @@ TRAIN_GAUGES = (
 )
 # Counters of a training run: (name without _total, help, key in the follower's latest step record).
 TRAIN_COUNTERS = (
-    ("phalanx_train_tokens", ("Tokens trained on up to the last step (rate() of it: tokens per second of the "
-                              "whole job); it goes back with the step after a rollback"), "tokens_seen"),
+    (
+        "phalanx_train_tokens",
+        (
+            "Tokens trained on up to the last step (rate() of it: tokens per second of the "
+            "whole job); it goes back with the step after a rollback"
+        ),
+        "tokens_seen",
+    ),
 )
 # Counters from the event log: (name without _total, help, event kinds counted).
 EVENT_COUNTERS = (
@@ -68,11 +74,14 @@ class TrainingCollector(Collector):
             counter = CounterMetricFamily(name, help_text, labels=["run"])
             counter.add_metric([run], float(sum(counts.get(k, 0) for k in kinds)))
             yield counter
-        step_time = GaugeMetricFamily("phalanx_rank_step_seconds", "Wall time of each rank's last step",
-                                      labels=["run", "rank", "node"])
-        compute = GaugeMetricFamily("phalanx_rank_compute_seconds",
-                                    "Each rank's own work (data + forward) in its last step: stragglers show here",
-                                    labels=["run", "rank", "node"])
+        step_time = GaugeMetricFamily(
+            "phalanx_rank_step_seconds", "Wall time of each rank's last step", labels=["run", "rank", "node"]
+        )
+        compute = GaugeMetricFamily(
+            "phalanx_rank_compute_seconds",
+            "Each rank's own work (data + forward) in its last step: stragglers show here",
+            labels=["run", "rank", "node"],
+        )
         for rank, record in sorted(state.get("ranks", {}).items()):
             labels = [run, str(rank), str(record.get("node") or "")]
             if record.get("step_seconds") is not None:
@@ -120,8 +129,9 @@ class StoreCollector(Collector):
                     counter.add_metric([run["name"], str(run["id"])], float(run[key]))
             yield counter
         restarts = CounterMetricFamily("phalanx_run_restarts", "Restarts of the run's ranks", labels=["run", "id"])
-        status = GaugeMetricFamily("phalanx_run_status", "1 for the run's current status",
-                                   labels=["run", "id", "status"])
+        status = GaugeMetricFamily(
+            "phalanx_run_status", "1 for the run's current status", labels=["run", "id", "status"]
+        )
         for run in runs:
             restarts.add_metric([run["name"], str(run["id"])], float(run["restarts"] or 0))
             for s in RUN_STATUSES:

@@ -17,11 +17,31 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 HIDDEN = "***"
-SECRET_WORDS = {"password", "passwd", "pwd", "secret", "secrets", "token", "credential", "credentials", "apikey",
-                "passphrase", "auth", "authorization", "cookie", "dsn"}
+SECRET_WORDS = {
+    "password",
+    "passwd",
+    "pwd",
+    "secret",
+    "secrets",
+    "token",
+    "credential",
+    "credentials",
+    "apikey",
+    "passphrase",
+    "auth",
+    "authorization",
+    "cookie",
+    "dsn",
+}
 SECRET_PARTS = ("password", "passwd", "secret")  # also inside a word: sslpassword, clientsecret
-SECRET_PAIRS = {("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"), ("client", "secret"),
-                ("session", "key")}
+SECRET_PAIRS = {
+    ("api", "key"),
+    ("access", "key"),
+    ("private", "key"),
+    ("secret", "key"),
+    ("client", "secret"),
+    ("session", "key"),
+}
 LONGEST_USER_NAME = 32
 # scheme://user:password@host/...: the userinfo runs to the authority's last "@" (a password may hold one).
 _URL = re.compile(r"\b([a-z][a-z0-9+.\-]*://)([^\s/?#]*@)?([^\s]*)", re.IGNORECASE)
@@ -34,8 +54,9 @@ def _words(name: str) -> list[str]:
 
 def is_secret_name(name: str) -> bool:
     words = _words(name)
-    return (any(w in SECRET_WORDS or any(part in w for part in SECRET_PARTS) for w in words)
-            or any(pair in SECRET_PAIRS for pair in pairwise(words)))
+    return any(w in SECRET_WORDS or any(part in w for part in SECRET_PARTS) for w in words) or any(
+        pair in SECRET_PAIRS for pair in pairwise(words)
+    )
 
 
 def _redact_one_url(match: re.Match) -> str:
@@ -67,11 +88,12 @@ def redact_url(url: str) -> str:
 def redact(value: Any) -> Any:
     """A copy of a config (dicts, lists, strings, numbers) with every secret hidden."""
     if isinstance(value, dict):
-        return {k: (HIDDEN if isinstance(k, str) and is_secret_name(k) and v not in (None, "") else redact(v))
-                for k, v in value.items()}
+        return {
+            k: (HIDDEN if isinstance(k, str) and is_secret_name(k) and v not in (None, "") else redact(v))
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return [redact(v) for v in value]
     if isinstance(value, str):
         return redact_text(value)
     return value
-

@@ -14,8 +14,11 @@ from rich.table import Table
 
 from phalanx.console import JsonOpt, fitted_table
 
-runs_app = typer.Typer(no_args_is_help=True, help="List, inspect and compare runs in the run store.",
-                       epilog="Example: phalanx runs show demo")
+runs_app = typer.Typer(
+    no_args_is_help=True,
+    help="List, inspect and compare runs in the run store.",
+    epilog="Example: phalanx runs show demo",
+)
 out = Console()
 
 RunsOpt = typer.Option(Path("runs"), "--runs", help="Runs root whose store file phalanx.db to read.")
@@ -45,21 +48,59 @@ def runs_list(runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: b
     if json_out:
         print(json.dumps(rows))
         return
-    columns = ["id", "name", "status", "model", "step", "loss", "val loss", "tok/s", "MFU", "ETTR", "restarts",
-               "updated"]
-    cells = [[str(r["id"]), r["name"], r["status"], r["model"] or "-", f"{r['last_step'] or 0}/{r['max_steps'] or '?'}",
-              _num(r["last_loss"]), _num(r["last_val_loss"]), _num(r["tokens_per_sec"], ",.0f"), _pct(r["mfu"]),
-              _pct(r["ettr"], ".0%"), str(r["restarts"]), _when(r["updated_at"], short=True)] for r in rows]
-    out.print(fitted_table(f"{len(rows)} runs", columns, cells, right=RIGHT,
-                           drop_first=("MFU", "restarts", "ETTR", "model", "val loss", "tok/s", "id"), console=out))
+    columns = [
+        "id",
+        "name",
+        "status",
+        "model",
+        "step",
+        "loss",
+        "val loss",
+        "tok/s",
+        "MFU",
+        "ETTR",
+        "restarts",
+        "updated",
+    ]
+    cells = [
+        [
+            str(r["id"]),
+            r["name"],
+            r["status"],
+            r["model"] or "-",
+            f"{r['last_step'] or 0}/{r['max_steps'] or '?'}",
+            _num(r["last_loss"]),
+            _num(r["last_val_loss"]),
+            _num(r["tokens_per_sec"], ",.0f"),
+            _pct(r["mfu"]),
+            _pct(r["ettr"], ".0%"),
+            str(r["restarts"]),
+            _when(r["updated_at"], short=True),
+        ]
+        for r in rows
+    ]
+    out.print(
+        fitted_table(
+            f"{len(rows)} runs",
+            columns,
+            cells,
+            right=RIGHT,
+            drop_first=("MFU", "restarts", "ETTR", "model", "val loss", "tok/s", "id"),
+            console=out,
+        )
+    )
 
 
 RIGHT = ("id", "step", "loss", "val loss", "tok/s", "MFU", "ETTR", "restarts")
 
 
 @runs_app.command("show")
-def runs_show(name: str = typer.Argument(..., help="Run name (the newest of that name) or id."),
-              runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
+def runs_show(
+    name: str = typer.Argument(..., help="Run name (the newest of that name) or id."),
+    runs: Path = RunsOpt,
+    store: Optional[str] = StoreOpt,
+    json_out: bool = JsonOpt,
+) -> None:
     """One run: its state, goodput, nodes and events.
 
     Examples:
@@ -75,11 +116,33 @@ def runs_show(name: str = typer.Argument(..., help="Run name (the newest of that
     table = Table(title=f"run {run['name']} (id {run['id']})", show_header=False)
     table.add_column(no_wrap=True)
     table.add_column(overflow="fold")  # a long run directory wraps rather than being cut short
-    for key in ("status", "dir", "model", "world_size", "nodes", "last_step", "max_steps", "last_loss", "last_val_loss",
-                "tokens_per_sec", "mfu", "restarts", "ettr", "error"):
+    for key in (
+        "status",
+        "dir",
+        "model",
+        "world_size",
+        "nodes",
+        "last_step",
+        "max_steps",
+        "last_loss",
+        "last_val_loss",
+        "tokens_per_sec",
+        "mfu",
+        "restarts",
+        "ettr",
+        "error",
+    ):
         value = run[key]
-        table.add_row(key, ", ".join(value) if isinstance(value, list) else _num(value) if isinstance(value, float)
-                      else "-" if value is None else str(value))
+        table.add_row(
+            key,
+            ", ".join(value)
+            if isinstance(value, list)
+            else _num(value)
+            if isinstance(value, float)
+            else "-"
+            if value is None
+            else str(value),
+        )
     table.add_row("started", _when(run["started_at"]))
     table.add_row("ended", _when(run["ended_at"]))
     if goodput:
@@ -87,20 +150,28 @@ def runs_show(name: str = typer.Argument(..., help="Run name (the newest of that
         table.add_row("faults", ", ".join(f"{k} {v}" for k, v in goodput["faults"].items()) or "-")
     out.print(table)
     if events:  # every kind, as the dashboard lists them: one view of a run's events
-        timeline = Table(title="events" if len(events) <= 30 else f"events (the last 30 of {len(events)})",
-                         box=SIMPLE_HEAD, pad_edge=False)
+        timeline = Table(
+            title="events" if len(events) <= 30 else f"events (the last 30 of {len(events)})",
+            box=SIMPLE_HEAD,
+            pad_edge=False,
+        )
         for column in ("time", "kind", "rank", "details"):
             timeline.add_column(column, overflow="fold")
         for e in events[-30:]:
             details = {k: v for k, v in e.items() if k not in ("time", "node", "rank", "kind")}
-            timeline.add_row(_when(e["time"], short=True), e["kind"], "-" if e["rank"] is None else str(e["rank"]),
-                             _details(details))
+            timeline.add_row(
+                _when(e["time"], short=True), e["kind"], "-" if e["rank"] is None else str(e["rank"]), _details(details)
+            )
         out.print(timeline)
 
 
 @runs_app.command("compare")
-def runs_compare(names: list[str] = typer.Argument(..., help="Two or more run names or ids."),
-                 runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
+def runs_compare(
+    names: list[str] = typer.Argument(..., help="Two or more run names or ids."),
+    runs: Path = RunsOpt,
+    store: Optional[str] = StoreOpt,
+    json_out: bool = JsonOpt,
+) -> None:
     """Runs side by side: their results and the config keys in which they differ.
 
     Example:
@@ -113,8 +184,9 @@ def runs_compare(names: list[str] = typer.Argument(..., help="Two or more run na
     s = _open(runs, store)
     found = [s.find_run(n) for n in names]
     flat = [_flatten(r["config"] or {}) for r in found]
-    differs = sorted(k for k in set().union(*flat) if len({json.dumps(f.get(k)) for f in flat}) > 1
-                     and not k.startswith("run."))
+    differs = sorted(
+        k for k in set().union(*flat) if len({json.dumps(f.get(k)) for f in flat}) > 1 and not k.startswith("run.")
+    )
     if json_out:
         print(json.dumps({"runs": found, "config_differences": {k: [f.get(k) for f in flat] for k in differs}}))
         return
@@ -122,8 +194,17 @@ def runs_compare(names: list[str] = typer.Argument(..., help="Two or more run na
     table.add_column("")
     for r in found:
         table.add_column(f"{r['name']} ({r['id']})")
-    for key in ("status", "model", "last_step", "last_loss", "last_val_loss", "tokens_per_sec", "mfu", "ettr",
-                "restarts"):
+    for key in (
+        "status",
+        "model",
+        "last_step",
+        "last_loss",
+        "last_val_loss",
+        "tokens_per_sec",
+        "mfu",
+        "ettr",
+        "restarts",
+    ):
         table.add_row(key, *(_num(r[key]) if isinstance(r[key], float) else str(r[key]) for r in found))
     for key in differs:
         table.add_row(f"[bold]{key}", *(json.dumps(f.get(key)) for f in flat))
@@ -131,8 +212,12 @@ def runs_compare(names: list[str] = typer.Argument(..., help="Two or more run na
 
 
 @runs_app.command("import")
-def runs_import(run_dirs: list[Path] = typer.Argument(..., help="Run directories to copy into the store."),
-                runs: Path = RunsOpt, store: Optional[str] = StoreOpt, json_out: bool = JsonOpt) -> None:
+def runs_import(
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories to copy into the store."),
+    runs: Path = RunsOpt,
+    store: Optional[str] = StoreOpt,
+    json_out: bool = JsonOpt,
+) -> None:
     """Copy run directories trained without a store (or elsewhere) into the store; a run already there is
     brought up to date (the steps and events it lacks, and its status if its launch could not store it).
 
@@ -147,7 +232,9 @@ def runs_import(run_dirs: list[Path] = typer.Argument(..., help="Run directories
         run_id, known = sync_run_dir(s, run_dir)
         imported.append({"run_dir": str(run_dir), "id": run_id, "updated": known})
         if not json_out:
-            out.print(f"brought run {run_id} ({run_dir}) up to date" if known else f"imported {run_dir} as run {run_id}")
+            out.print(
+                f"brought run {run_id} ({run_dir}) up to date" if known else f"imported {run_dir} as run {run_id}"
+            )
     if json_out:
         print(json.dumps({"imported": imported}))
 
@@ -178,6 +265,7 @@ def _when(timestamp: float | None, short: bool = False) -> str:
 
 def _details(details: dict[str, Any], limit: int = 160) -> str:
     """An event's details as `key value` pairs (numbers rounded, nested values compact), not escaped JSON."""
+
     def show(value: Any) -> str:
         if isinstance(value, float):
             return format(value, ".4g")

@@ -34,11 +34,29 @@ MAX_RUN_ID = 2**31 - 1  # runs.id is a 32-bit integer column
 
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-STEP_FIELDS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "achieved_tflops", "peak_mem_gib",
-               "step_seconds", "compute_seconds", "eval_seconds", "tokens_seen")
+STEP_FIELDS = (
+    "loss",
+    "val_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_sec",
+    "mfu",
+    "achieved_tflops",
+    "peak_mem_gib",
+    "step_seconds",
+    "compute_seconds",
+    "eval_seconds",
+    "tokens_seen",
+)
 HOST_FIELDS = ("cpu_ratio", "load1", "memory_used_bytes", "memory_total_bytes", "disk_free_bytes")
-DEVICE_FIELDS = ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",
-                 "ecc_uncorrectable")
+DEVICE_FIELDS = (
+    "utilization_ratio",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "temperature_c",
+    "power_w",
+    "ecc_uncorrectable",
+)
 MAX_TAGS, MAX_TAG_CHARS, MAX_NOTE_CHARS = 20, 40, 4000
 FAILURE_KINDS = ("worker_failed", "hang_detected", "restart", "regroup")
 
@@ -91,7 +109,7 @@ class RunStore:
         self._migrate()
 
     @classmethod
-    def open(cls, spec: str | None, runs_root: Path, create: bool = True) -> "RunStore":
+    def open(cls, spec: str | None, runs_root: Path, create: bool = True) -> RunStore:
         return cls(store_url(spec, runs_root), create=create)
 
     def close(self) -> None:
@@ -112,8 +130,11 @@ class RunStore:
             try:
                 command.upgrade(config, "head")
             except CommandError as exc:  # e.g. a store migrated by a newer phalanx
-                raise StoreError(f"cannot migrate run store {redact(self.url)}: {exc} (is this phalanx older "
-                                 "than the one that created it?)", transient=False) from None
+                raise StoreError(
+                    f"cannot migrate run store {redact(self.url)}: {exc} (is this phalanx older "
+                    "than the one that created it?)",
+                    transient=False,
+                ) from None
 
     @contextlib.contextmanager
     def _begin(self) -> Iterator[sa.Connection]:
@@ -133,8 +154,9 @@ class RunStore:
         except (OperationalError, InterfaceError, DisconnectionError) as exc:
             raise StoreError(f"run store {redact(self.url)} unavailable: {_reason(exc)}", transient=True) from None
         except SQLAlchemyError as exc:
-            raise StoreError(f"run store {redact(self.url)} refused the request: {_reason(exc)}",
-                             transient=False) from None
+            raise StoreError(
+                f"run store {redact(self.url)} refused the request: {_reason(exc)}", transient=False
+            ) from None
 
     @contextlib.contextmanager
     def _migration_lock(self) -> Iterator[None]:
@@ -154,20 +176,37 @@ class RunStore:
             return conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
 
     # -- writing (node agents) ---------------------------------------------------------------------
-    def start_run(self, name: str, run_dir: Path, config: dict[str, Any], model: str, world_size: int | None,
-                  max_steps: int, node: str) -> int:
+    def start_run(
+        self,
+        name: str,
+        run_dir: Path,
+        config: dict[str, Any],
+        model: str,
+        world_size: int | None,
+        max_steps: int,
+        node: str,
+    ) -> int:
         """Register a launch of the run in `run_dir` (a new run or a relaunch) as running; its id."""
         now, run_dir = time.time(), str(Path(run_dir).resolve())
-        values = dict(name=_clip(name, 200), status="running", model=_clip(model, 200), world_size=world_size,
-                      config=json.dumps(redact_secrets(config)), max_steps=max_steps, updated_at=now, ended_at=None,
-                      error=None)
+        values = dict(
+            name=_clip(name, 200),
+            status="running",
+            model=_clip(model, 200),
+            world_size=world_size,
+            config=json.dumps(redact_secrets(config)),
+            max_steps=max_steps,
+            updated_at=now,
+            ended_at=None,
+            error=None,
+        )
         for _ in range(2):  # a second try if another writer inserted the same directory in between
             try:
                 with self._begin() as conn:
                     run_id = conn.execute(sa.select(t.runs.c.id).where(t.runs.c.dir == run_dir)).scalar()
                     if run_id is None:
-                        run_id = conn.execute(t.runs.insert().values(dir=run_dir, started_at=now, restarts=0,
-                                                                     **values)).inserted_primary_key[0]
+                        run_id = conn.execute(
+                            t.runs.insert().values(dir=run_dir, started_at=now, restarts=0, **values)
+                        ).inserted_primary_key[0]
                     else:
                         conn.execute(t.runs.update().where(t.runs.c.id == run_id).values(**values))
                 break
@@ -183,12 +222,22 @@ class RunStore:
 
     def offsets(self, run_id: int) -> dict[str, int]:
         with self._connect() as conn:
-            rows = conn.execute(sa.select(t.ingest_offsets.c.path, t.ingest_offsets.c.position)
-                                .where(t.ingest_offsets.c.run_id == run_id))
+            rows = conn.execute(
+                sa.select(t.ingest_offsets.c.path, t.ingest_offsets.c.position).where(
+                    t.ingest_offsets.c.run_id == run_id
+                )
+            )
             return {path: position for path, position in rows}
 
-    def ingest(self, run_id: int, metrics: list[dict], rank_records: list[dict], events: list[dict],
-               offsets: dict[str, int], telemetry: list[dict] = ()) -> None:
+    def ingest(
+        self,
+        run_id: int,
+        metrics: list[dict],
+        rank_records: list[dict],
+        events: list[dict],
+        offsets: dict[str, int],
+        telemetry: list[dict] = (),
+    ) -> None:
         """One transaction: new step metrics, per-rank timings, events and hardware samples, and how far
         each file was read."""
         now = time.time()
@@ -197,29 +246,56 @@ class RunStore:
             if metrics:
                 conn.execute(t.steps.insert(), [_step_row(run_id, m) for m in metrics])
             if rank_records:
-                conn.execute(t.rank_steps.insert(), [
-                    {"run_id": run_id, "step": r["step"], "rank": r["rank"], "node": _clip(r.get("node"), 200),
-                     "time": r.get("time", now), **{k: _num(r.get(k)) for k in
-                                                     ("step_seconds", "compute_seconds", "data_seconds")}}
-                    for r in rank_records])
+                conn.execute(
+                    t.rank_steps.insert(),
+                    [
+                        {
+                            "run_id": run_id,
+                            "step": r["step"],
+                            "rank": r["rank"],
+                            "node": _clip(r.get("node"), 200),
+                            "time": r.get("time", now),
+                            **{k: _num(r.get(k)) for k in ("step_seconds", "compute_seconds", "data_seconds")},
+                        }
+                        for r in rank_records
+                    ],
+                )
                 # The nodes that ran ranks: known from the ranks' own records, so only one writer is needed.
                 _add_nodes(conn, run_id, sorted({r["node"] for r in rank_records if r.get("node")}))
             if events:
-                conn.execute(t.events.insert(), [
-                    {"run_id": run_id, "time": e.get("time", now), "node": _clip(e.get("node"), 200),
-                     "rank": e.get("rank"), "kind": _clip(e["kind"], 60),
-                     "details": json.dumps({k: v for k, v in e.items() if k not in ("time", "node", "rank", "kind")})}
-                    for e in events])
+                conn.execute(
+                    t.events.insert(),
+                    [
+                        {
+                            "run_id": run_id,
+                            "time": e.get("time", now),
+                            "node": _clip(e.get("node"), 200),
+                            "rank": e.get("rank"),
+                            "kind": _clip(e["kind"], 60),
+                            "details": json.dumps(
+                                {k: v for k, v in e.items() if k not in ("time", "node", "rank", "kind")}
+                            ),
+                        }
+                        for e in events
+                    ],
+                )
             for path, position in offsets.items():
-                updated = conn.execute(t.ingest_offsets.update().where(
-                    t.ingest_offsets.c.run_id == run_id, t.ingest_offsets.c.path == path).values(position=position))
+                updated = conn.execute(
+                    t.ingest_offsets.update()
+                    .where(t.ingest_offsets.c.run_id == run_id, t.ingest_offsets.c.path == path)
+                    .values(position=position)
+                )
                 if updated.rowcount == 0:
                     conn.execute(t.ingest_offsets.insert().values(run_id=run_id, path=path, position=position))
             summary = _run_summary(metrics, events)
             if any(e["kind"] == "restart" for e in events):
                 # Every node's agent logs each restart of the job: count the node that logged most.
-                per_node = sa.select(sa.func.count().label("n")).where(
-                    t.events.c.run_id == run_id, t.events.c.kind == "restart").group_by(t.events.c.node).subquery()
+                per_node = (
+                    sa.select(sa.func.count().label("n"))
+                    .where(t.events.c.run_id == run_id, t.events.c.kind == "restart")
+                    .group_by(t.events.c.node)
+                    .subquery()
+                )
                 summary["restarts"] = conn.execute(sa.select(sa.func.max(per_node.c.n))).scalar() or 0
             if summary or metrics or events:
                 conn.execute(t.runs.update().where(t.runs.c.id == run_id).values(updated_at=now, **summary))
@@ -227,8 +303,11 @@ class RunStore:
     def finish_run(self, run_id: int, status: str, error: str | None = None) -> None:
         now = time.time()
         with self._begin() as conn:
-            conn.execute(t.runs.update().where(t.runs.c.id == run_id)
-                         .values(status=status, error=error, ended_at=now, updated_at=now))
+            conn.execute(
+                t.runs.update()
+                .where(t.runs.c.id == run_id)
+                .values(status=status, error=error, ended_at=now, updated_at=now)
+            )
 
     def set_goodput(self, run_id: int, report: dict[str, Any]) -> None:
         now = time.time()
@@ -239,8 +318,11 @@ class RunStore:
 
     def add_preflight(self, node: str, passed: bool, results: dict[str, Any], run_id: int | None = None) -> None:
         with self._begin() as conn:
-            conn.execute(t.preflight.insert().values(run_id=run_id, node=node, time=time.time(), passed=int(passed),
-                                                     results=json.dumps(results)))
+            conn.execute(
+                t.preflight.insert().values(
+                    run_id=run_id, node=node, time=time.time(), passed=int(passed), results=json.dumps(results)
+                )
+            )
 
     def annotate(self, run_id: int, tags: list[str] | None = None, note: str | None = None) -> dict[str, Any]:
         """Set a run's tags and/or note (None leaves one as it is); the run's tags and note after."""
@@ -291,8 +373,13 @@ class RunStore:
             run = _run_dict(row)
             # Redacted again on the way out: rows an older phalanx stored kept their secrets.
             run["config"] = redact_secrets(json.loads(row["config"])) if row["config"] else None
-            run["nodes"] = list(conn.execute(sa.select(t.run_nodes.c.node).where(t.run_nodes.c.run_id == run_id)
-                                             .order_by(t.run_nodes.c.joined_at)).scalars())
+            run["nodes"] = list(
+                conn.execute(
+                    sa.select(t.run_nodes.c.node)
+                    .where(t.run_nodes.c.run_id == run_id)
+                    .order_by(t.run_nodes.c.joined_at)
+                ).scalars()
+            )
             return run
 
     def run_id_for_dir(self, run_dir: Path) -> int | None:
@@ -318,8 +405,17 @@ class RunStore:
         A step run twice (before and after a restart) is one point, the mean of its runs at the time of its
         newest; with every_run each run of it is a point of its own, in time order (a wall-time axis)."""
         c = t.steps.c
-        fields = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "achieved_tflops", "peak_mem_gib",
-                  "step_seconds", "tokens_seen")
+        fields = (
+            "loss",
+            "lr",
+            "grad_norm",
+            "tokens_per_sec",
+            "mfu",
+            "achieved_tflops",
+            "peak_mem_gib",
+            "step_seconds",
+            "tokens_seen",
+        )
         with self._connect() as conn:
             last = conn.execute(sa.select(sa.func.max(c.step)).where(c.run_id == run_id)).scalar() or 0
             where = [c.run_id == run_id, c.loss.is_not(None)]
@@ -328,27 +424,43 @@ class RunStore:
                 where.append(c.step.in_(sample))
             validated = [c.run_id == run_id, c.val_loss.is_not(None)]
             if every_run:
-                rows = conn.execute(sa.select(c.step, c.time, *(c[f] for f in fields)).where(*where)
-                                    .order_by(c.time, c.id)).all()
-                val = conn.execute(sa.select(c.step, c.time, c.val_loss).where(*validated)
-                                   .order_by(c.time, c.id)).all()
+                rows = conn.execute(
+                    sa.select(c.step, c.time, *(c[f] for f in fields)).where(*where).order_by(c.time, c.id)
+                ).all()
+                val = conn.execute(sa.select(c.step, c.time, c.val_loss).where(*validated).order_by(c.time, c.id)).all()
             else:
-                rows = conn.execute(sa.select(c.step, sa.func.max(c.time), *(sa.func.avg(c[f]) for f in fields))
-                                    .where(*where).group_by(c.step).order_by(c.step)).all()
-                val = conn.execute(sa.select(c.step, sa.func.max(c.time), sa.func.avg(c.val_loss))
-                                   .where(*validated).group_by(c.step).order_by(c.step)).all()
+                rows = conn.execute(
+                    sa.select(c.step, sa.func.max(c.time), *(sa.func.avg(c[f]) for f in fields))
+                    .where(*where)
+                    .group_by(c.step)
+                    .order_by(c.step)
+                ).all()
+                val = conn.execute(
+                    sa.select(c.step, sa.func.max(c.time), sa.func.avg(c.val_loss))
+                    .where(*validated)
+                    .group_by(c.step)
+                    .order_by(c.step)
+                ).all()
         out: dict[str, list] = {"step": [r[0] for r in rows], "time": [r[1] for r in rows]}
         for i, f in enumerate(fields, start=2):
             out[f] = [r[i] for r in rows]
-        out["val_step"], out["val_time"], out["val_loss"] = [r[0] for r in val], [r[1] for r in val], [r[2] for r in val]
+        out["val_step"], out["val_time"], out["val_loss"] = (
+            [r[0] for r in val],
+            [r[1] for r in val],
+            [r[2] for r in val],
+        )
         return out
 
     def steps_at(self, run_id: int, times: list[float]) -> list[int]:
         """For each time, the step the run had last logged by then (0 before its first): where an event
         without a step of its own (a restart, a crash) happened, on a step axis."""
         c = t.steps.c
-        query = (sa.select(c.step).where(c.run_id == run_id, c.time <= sa.bindparam("at"))
-                 .order_by(c.time.desc(), c.id.desc()).limit(1))  # through ix_steps_run_time
+        query = (
+            sa.select(c.step)
+            .where(c.run_id == run_id, c.time <= sa.bindparam("at"))
+            .order_by(c.time.desc(), c.id.desc())
+            .limit(1)
+        )  # through ix_steps_run_time
         with self._connect() as conn:
             return [conn.execute(query, {"at": at}).scalar() or 0 for at in times]
 
@@ -357,12 +469,12 @@ class RunStore:
         max_points an evenly spaced sample of them."""
         with self._connect() as conn:
             host = _telemetry_series(conn, t.host_telemetry, run_id, ("node",), HOST_FIELDS, max_points)
-            devices = _telemetry_series(conn, t.device_telemetry, run_id, ("node", "device"), DEVICE_FIELDS,
-                                        max_points)
+            devices = _telemetry_series(conn, t.device_telemetry, run_id, ("node", "device"), DEVICE_FIELDS, max_points)
         return {"host": host, "devices": devices}
 
-    def rank_heatmap(self, run_id: int, max_bins: int = 200, samples_per_bin: int = 5,
-                     warmup_steps: frozenset[int] = frozenset()) -> dict[str, Any]:
+    def rank_heatmap(
+        self, run_id: int, max_bins: int = 200, samples_per_bin: int = 5, warmup_steps: frozenset[int] = frozenset()
+    ) -> dict[str, Any]:
         """Each rank's own compute time per step, or past max_bins per bin of steps (the mean of a few
         evenly spaced steps in it): the straggler heatmap, rows ranks, columns the bins' last steps.
         `range` is the least and greatest cell leaving out `warmup_steps` (the first step of each launch
@@ -388,15 +500,33 @@ class RunStore:
         ranks = sorted({r for _, r in cells})
         z = [[statistics.fmean(cells[(s, r)]) if (s, r) in cells else None for s in steps] for r in ranks]
         means = [statistics.fmean(v) for v in steady.values()]
-        return {"steps": steps, "ranks": ranks, "compute_seconds": z, "stride": stride,
-                "range": [min(means), max(means)] if means else None}
+        return {
+            "steps": steps,
+            "ranks": ranks,
+            "compute_seconds": z,
+            "stride": stride,
+            "range": [min(means), max(means)] if means else None,
+        }
 
     def events(self, run_id: int) -> list[dict[str, Any]]:
         with self._connect() as conn:
-            rows = conn.execute(sa.select(t.events).where(t.events.c.run_id == run_id)
-                                .order_by(t.events.c.time, t.events.c.id)).mappings().all()
-        return [{"time": r["time"], "node": r["node"], "rank": r["rank"], "kind": r["kind"],
-                 **json.loads(r["details"] or "{}")} for r in rows]
+            rows = (
+                conn.execute(
+                    sa.select(t.events).where(t.events.c.run_id == run_id).order_by(t.events.c.time, t.events.c.id)
+                )
+                .mappings()
+                .all()
+            )
+        return [
+            {
+                "time": r["time"],
+                "node": r["node"],
+                "rank": r["rank"],
+                "kind": r["kind"],
+                **json.loads(r["details"] or "{}"),
+            }
+            for r in rows
+        ]
 
     def goodput(self, run_id: int) -> dict[str, Any] | None:
         with self._connect() as conn:
@@ -408,8 +538,10 @@ class RunStore:
         if run_id is not None:
             query = query.where(t.preflight.c.run_id == run_id)
         with self._connect() as conn:
-            return [{**dict(r), "passed": bool(r["passed"]), "results": json.loads(r["results"])}
-                    for r in conn.execute(query).mappings()]
+            return [
+                {**dict(r), "passed": bool(r["passed"]), "results": json.loads(r["results"])}
+                for r in conn.execute(query).mappings()
+            ]
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -427,8 +559,13 @@ def _sample_steps(last: int, bins: int, per_bin: int) -> list[int] | None:
         return None
     stride = math.ceil(last / bins)
     gap = max(1, stride // per_bin)
-    return sorted({min(last, start + offset) for start in range(0, last, stride)
-                   for offset in range(gap, stride + 1, gap)[:per_bin]})
+    return sorted(
+        {
+            min(last, start + offset)
+            for start in range(0, last, stride)
+            for offset in range(gap, stride + 1, gap)[:per_bin]
+        }
+    )
 
 
 def clean_tags(tags: Any) -> list[str]:
@@ -453,24 +590,44 @@ def _insert_telemetry(conn: sa.Connection, run_id: int, samples: list[dict], now
     for sample in samples:
         when, node = sample.get("time", now), _clip(str(sample.get("node") or "?"), 200)
         if node not in last_seq:  # the run's newest rows, read backwards through (run_id, seq) to this node's
-            last_seq[node] = conn.execute(sa.select(h.seq).where(h.run_id == run_id, h.node == node)
-                                          .order_by(h.seq.desc()).limit(1)).scalar() or 0
+            last_seq[node] = (
+                conn.execute(
+                    sa.select(h.seq).where(h.run_id == run_id, h.node == node).order_by(h.seq.desc()).limit(1)
+                ).scalar()
+                or 0
+            )
         last_seq[node] += 1
         host = sample.get("host") if isinstance(sample.get("host"), dict) else {}
-        host_rows.append({"run_id": run_id, "seq": last_seq[node], "time": when, "node": node,
-                          **{f: _num(host.get(f)) for f in HOST_FIELDS}})
+        host_rows.append(
+            {
+                "run_id": run_id,
+                "seq": last_seq[node],
+                "time": when,
+                "node": node,
+                **{f: _num(host.get(f)) for f in HOST_FIELDS},
+            }
+        )
         for device in sample.get("devices") or []:
             if isinstance(device, dict) and isinstance(device.get("device"), int):
-                device_rows.append({"run_id": run_id, "seq": last_seq[node], "time": when, "node": node,
-                                    "device": device["device"], **{f: _num(device.get(f)) for f in DEVICE_FIELDS}})
+                device_rows.append(
+                    {
+                        "run_id": run_id,
+                        "seq": last_seq[node],
+                        "time": when,
+                        "node": node,
+                        "device": device["device"],
+                        **{f: _num(device.get(f)) for f in DEVICE_FIELDS},
+                    }
+                )
     if host_rows:
         conn.execute(t.host_telemetry.insert(), host_rows)
     if device_rows:
         conn.execute(t.device_telemetry.insert(), device_rows)
 
 
-def _telemetry_series(conn: sa.Connection, table: sa.Table, run_id: int, keys: tuple[str, ...],
-                      fields: tuple[str, ...], max_points: int) -> list[dict[str, Any]]:
+def _telemetry_series(
+    conn: sa.Connection, table: sa.Table, run_id: int, keys: tuple[str, ...], fields: tuple[str, ...], max_points: int
+) -> list[dict[str, Any]]:
     """One series per distinct `keys` (node, or node and device): time and each field of every sample,
     or past max_points samples an evenly spaced sample of them (by seq, through the (run_id, seq)
     index, as TensorBoard samples long runs), so a week of 5-second samples is still one small answer."""
@@ -484,12 +641,12 @@ def _telemetry_series(conn: sa.Connection, table: sa.Table, run_id: int, keys: t
     query = sa.select(*key_columns, c.time, *(c[f] for f in fields)).where(*where).order_by(*key_columns, c.seq)
     out: dict[tuple, dict[str, Any]] = {}
     for row in conn.execute(query):
-        key = tuple(row[:len(keys)])
+        key = tuple(row[: len(keys)])
         series = out.get(key)
         if series is None:
             series = out[key] = {**dict(zip(keys, key)), "time": [], **{f: [] for f in fields}}
         series["time"].append(row[len(keys)])
-        for f, value in zip(fields, row[len(keys) + 1:]):
+        for f, value in zip(fields, row[len(keys) + 1 :]):
             series[f].append(value)
     return list(out.values())
 
@@ -516,8 +673,13 @@ def _num(value: Any) -> float | None:
 
 
 def _step_row(run_id: int, m: dict[str, Any]) -> dict[str, Any]:
-    return {"run_id": run_id, "step": m["step"], "time": m.get("time", time.time()),
-            "skipped": _clip(m.get("skipped"), 40), **{f: _num(m.get(f)) for f in STEP_FIELDS}}
+    return {
+        "run_id": run_id,
+        "step": m["step"],
+        "time": m.get("time", time.time()),
+        "skipped": _clip(m.get("skipped"), 40),
+        **{f: _num(m.get(f)) for f in STEP_FIELDS},
+    }
 
 
 def _run_summary(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
@@ -526,15 +688,21 @@ def _run_summary(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
     trained = [m for m in metrics if "loss" in m]
     if trained:
         last = trained[-1]
-        out.update(last_step=last["step"], last_loss=_num(last["loss"]),
-                   tokens_per_sec=_num(last.get("tokens_per_sec")), mfu=_num(last.get("mfu")),
-                   tokens_seen=_num(last.get("tokens_seen")))
+        out.update(
+            last_step=last["step"],
+            last_loss=_num(last["loss"]),
+            tokens_per_sec=_num(last.get("tokens_per_sec")),
+            mfu=_num(last.get("mfu")),
+            tokens_seen=_num(last.get("tokens_seen")),
+        )
     validated = [m for m in metrics if m.get("val_loss") is not None]
     if validated:
         out["last_val_loss"] = _num(validated[-1]["val_loss"])
     last_failure = max((e["time"] for e in events if e["kind"] in FAILURE_KINDS), default=None)
-    last_progress = max([e["time"] for e in events if e["kind"] == "training_started"]
-                        + [m.get("time", 0) for m in trained], default=None)
+    last_progress = max(
+        [e["time"] for e in events if e["kind"] == "training_started"] + [m.get("time", 0) for m in trained],
+        default=None,
+    )
     if last_failure is not None and (last_progress is None or last_failure > last_progress):
         out["status"] = "restarting"
     elif last_progress is not None:
@@ -543,8 +711,30 @@ def _run_summary(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
 
 
 def _run_dict(row: Any) -> dict[str, Any]:
-    out = {k: row[k] for k in ("id", "name", "dir", "status", "model", "world_size", "started_at", "ended_at",
-                               "updated_at", "last_step", "max_steps", "last_loss", "last_val_loss",
-                               "tokens_per_sec", "mfu", "restarts", "ettr", "error", "tokens_seen", "note")}
+    out = {
+        k: row[k]
+        for k in (
+            "id",
+            "name",
+            "dir",
+            "status",
+            "model",
+            "world_size",
+            "started_at",
+            "ended_at",
+            "updated_at",
+            "last_step",
+            "max_steps",
+            "last_loss",
+            "last_val_loss",
+            "tokens_per_sec",
+            "mfu",
+            "restarts",
+            "ettr",
+            "error",
+            "tokens_seen",
+            "note",
+        )
+    }
     out["tags"] = json.loads(row["tags"]) if row["tags"] else []
     return out

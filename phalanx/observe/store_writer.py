@@ -48,8 +48,13 @@ class StoreWriter:
     def _spawn(self) -> subprocess.Popen:
         # A session of its own: a Ctrl-C to the terminal reaches the agent, which then says how the
         # run ended, rather than killing the writer before it could store that.
-        proc = subprocess.Popen([sys.executable, "-m", "phalanx.observe.store_writer"], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "phalanx.observe.store_writer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         proc.stdin.write(json.dumps(self.spec) + "\n")
         proc.stdin.flush()
         return proc
@@ -61,8 +66,10 @@ class StoreWriter:
                 if code is None or self._ending.is_set():
                     continue
                 if self.restarts >= RESTART_LIMIT:
-                    _warn(f"the run store's writer died {self.restarts + 1} times; the rest of this launch is "
-                          f"not stored (`phalanx runs import {self.spec['run_dir']}` copies it later)")
+                    _warn(
+                        f"the run store's writer died {self.restarts + 1} times; the rest of this launch is "
+                        f"not stored (`phalanx runs import {self.spec['run_dir']}` copies it later)"
+                    )
                     return
                 self.restarts += 1
                 how = f"signal {-code}" if code < 0 else f"code {code}"
@@ -88,8 +95,10 @@ class StoreWriter:
             proc.wait()
             code = None
         if code != 0:
-            _warn(f"the run store may lack the end of this launch; `phalanx runs import {self.spec['run_dir']}` "
-                  "brings it up to date")
+            _warn(
+                f"the run store may lack the end of this launch; `phalanx runs import {self.spec['run_dir']}` "
+                "brings it up to date"
+            )
         return code == 0
 
 
@@ -116,15 +125,28 @@ def main() -> int:
     def connect() -> tuple[RunStore, int]:
         store = RunStore(spec["url"])
         try:
-            return store, store.start_run(spec["name"], run_dir, register["config"], register["model"],
-                                          register["world_size"], register["max_steps"], register["node"])
+            return store, store.start_run(
+                spec["name"],
+                run_dir,
+                register["config"],
+                register["model"],
+                register["world_size"],
+                register["max_steps"],
+                register["node"],
+            )
         except StoreError:
             store.close()
             raise
 
-    follower = RunFollower(run_dir, spec["name"], spec["wall_start"], interval=spec["interval"], connect=connect,
-                           on_rebuilt=lambda store: import_other_runs(store, run_dir),
-                           refill_pending=refill_unfinished(run_dir))  # the writer before this one died in it
+    follower = RunFollower(
+        run_dir,
+        spec["name"],
+        spec["wall_start"],
+        interval=spec["interval"],
+        connect=connect,
+        on_rebuilt=lambda store: import_other_runs(store, run_dir),
+        refill_pending=refill_unfinished(run_dir),
+    )  # the writer before this one died in it
     delay = spec["interval"]
     while not ended.wait(delay):
         delay = spec["interval"] if follower.pass_once() else min(MAX_BACKOFF_S, delay * 2)
@@ -153,9 +175,12 @@ def import_other_runs(store: Any, run_dir: Path) -> bool:
         except PhalanxError:  # training (locked), or not a run any more: its own writer, or nobody
             continue
     if imported:
-        Console(stderr=True, soft_wrap=True).print(f"rebuilt the run store with {len(imported)} other run(s) of "
-                                                   f"{run_dir.parent}: " + ", ".join(imported), highlight=False)
+        Console(stderr=True, soft_wrap=True).print(
+            f"rebuilt the run store with {len(imported)} other run(s) of {run_dir.parent}: " + ", ".join(imported),
+            highlight=False,
+        )
     return complete
+
 
 if __name__ == "__main__":
     try:

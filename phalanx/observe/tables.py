@@ -13,7 +13,8 @@ metadata = MetaData()
 
 # One training run (one run directory), across all its launches and restarts.
 runs = Table(
-    "runs", metadata,
+    "runs",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("name", String(200), nullable=False, index=True),
     Column("dir", String(1000), nullable=False, unique=True),
@@ -40,7 +41,8 @@ runs = Table(
 
 # The hosts whose node agents joined a run (several agents may add themselves at the same moment).
 run_nodes = Table(
-    "run_nodes", metadata,
+    "run_nodes",
+    metadata,
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("node", String(200), primary_key=True),
     Column("joined_at", Float, nullable=False),
@@ -48,7 +50,8 @@ run_nodes = Table(
 
 # Rank 0's record of each optimizer step (and of evaluations): the run's curves.
 steps = Table(
-    "steps", metadata,
+    "steps",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("step", Integer, nullable=False),
@@ -72,7 +75,8 @@ steps = Table(
 
 # Every rank's own timing of every step: the rank-by-step heatmap that shows stragglers.
 rank_steps = Table(
-    "rank_steps", metadata,
+    "rank_steps",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("step", Integer, nullable=False),
@@ -86,7 +90,8 @@ rank_steps = Table(
 )
 
 events = Table(
-    "events", metadata,
+    "events",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("time", Float, nullable=False),
@@ -99,7 +104,8 @@ events = Table(
 
 # The newest goodput report of a run (restarts, faults, stragglers, buckets, ETTR), JSON.
 goodput = Table(
-    "goodput", metadata,
+    "goodput",
+    metadata,
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("updated_at", Float, nullable=False),
     Column("report", Text, nullable=False),
@@ -107,7 +113,8 @@ goodput = Table(
 
 # Preflight results of nodes (issue 6 fills it); run_id is null for a preflight outside a run.
 preflight = Table(
-    "preflight", metadata,
+    "preflight",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE")),
     Column("node", String(200), nullable=False),
@@ -119,7 +126,8 @@ preflight = Table(
 # How far the node agent has read each plain-file mirror into the store, so a later launch of the same
 # run continues where the previous one stopped: every line lands exactly once.
 ingest_offsets = Table(
-    "ingest_offsets", metadata,
+    "ingest_offsets",
+    metadata,
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("path", String(300), primary_key=True),
     Column("position", BigInteger, nullable=False),
@@ -130,7 +138,8 @@ ingest_offsets = Table(
 # ...; the device rows of a sample share its host row's seq), so a long run's charts read an evenly
 # spaced sample through the (run_id, seq) index, as steps are read, instead of scanning every row.
 host_telemetry = Table(
-    "host_telemetry", metadata,
+    "host_telemetry",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("seq", Integer, nullable=False),
@@ -145,7 +154,8 @@ host_telemetry = Table(
 )
 
 device_telemetry = Table(
-    "device_telemetry", metadata,
+    "device_telemetry",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("seq", Integer, nullable=False),
@@ -163,7 +173,8 @@ device_telemetry = Table(
 
 # Nodes that failed a preflight check; launches on this store refuse them until `phalanx preflight --clear`.
 quarantine = Table(
-    "quarantine", metadata,
+    "quarantine",
+    metadata,
     Column("node", String(200), primary_key=True),
     Column("reason", Text, nullable=False),
     Column("since", Float, nullable=False),

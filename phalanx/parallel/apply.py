@@ -35,12 +35,12 @@ def wrap_ddp(model: nn.Module, device: torch.device, process_group=None) -> nn.M
     device_ids = [device.index] if device.type == "cuda" else None
     # No buffer broadcast: the model's only buffers are RoPE tables derived from its shape, and the
     # broadcast would put a collective into every forward.
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False,
-                                   process_group=process_group)
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False, process_group=process_group)
 
 
-def parallelize(model: nn.Module, strategy: str, env: DistEnv, *, activation_checkpointing: bool,
-                compile: bool, dtype: torch.dtype) -> nn.Module:
+def parallelize(
+    model: nn.Module, strategy: str, env: DistEnv, *, activation_checkpointing: bool, compile: bool, dtype: torch.dtype
+) -> nn.Module:
     """A built model wrapped for `strategy` (bench and the planner's measurements; training builds its
     model for a layout with parallel/build.py)."""
     wrap_blocks(model, activation_checkpointing=activation_checkpointing, compile=compile)

@@ -17,9 +17,19 @@ from phalanx.parallel.pipeline import split_model
 from phalanx.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def build_parallel_model(args: ModelArgs, layout: Layout, mesh, device: torch.device, *, seed: int,
-                         activation_checkpointing: bool, compile: bool, dtype: torch.dtype,
-                         float8: bool = False, pp_schedule: str = "1f1b") -> nn.Module:
+def build_parallel_model(
+    args: ModelArgs,
+    layout: Layout,
+    mesh,
+    device: torch.device,
+    *,
+    seed: int,
+    activation_checkpointing: bool,
+    compile: bool,
+    dtype: torch.dtype,
+    float8: bool = False,
+    pp_schedule: str = "1f1b",
+) -> nn.Module:
     """The model this rank trains. Under pipeline parallelism (layout.pp > 1) it is a PipelinedModel:
     this rank's stages (parallel/pipeline.py), split after TP and activation checkpointing, each sharded
     (FSDP) and materialised on its own, under the whole model's parameter names."""

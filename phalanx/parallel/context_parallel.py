@@ -42,8 +42,10 @@ def check_cp(cp: int, seq_len: int, compile: bool = False) -> None:
     if cp <= 1:
         return
     if seq_len % (2 * cp):
-        raise PhalanxError(f"train.seq_len={seq_len} must be divisible by 2 x parallel.cp = {2 * cp} (each cp "
-                           "rank holds two equal chunks of every sequence)")
+        raise PhalanxError(
+            f"train.seq_len={seq_len} must be divisible by 2 x parallel.cp = {2 * cp} (each cp "
+            "rank holds two equal chunks of every sequence)"
+        )
     if compile:
         # The ring's point-to-point exchange is not traceable by dynamo: untested, so refused.
         raise PhalanxError("parallel.cp > 1 does not work with train.compile=true yet")
@@ -62,8 +64,10 @@ def _exchange(x: torch.Tensor, group, send_to: int, receive_from: int) -> torch.
     """Send x to group rank `send_to` while receiving a tensor like it from `receive_from`."""
     x = x.contiguous()
     received = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, group=group, group_peer=send_to),
-           dist.P2POp(dist.irecv, received, group=group, group_peer=receive_from)]
+    ops = [
+        dist.P2POp(dist.isend, x, group=group, group_peer=send_to),
+        dist.P2POp(dist.irecv, received, group=group, group_peer=receive_from),
+    ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return received
@@ -82,8 +86,9 @@ class _RingPass(torch.autograd.Function):
         return _exchange(grad, ctx.group, ctx.receive_from, ctx.send_to), None, None, None
 
 
-def ring_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, group,
-                   positions_of) -> torch.Tensor:
+def ring_attention(
+    q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, group, positions_of
+) -> torch.Tensor:
     """Causal attention of this rank's queries over the keys and values of every rank in `group`.
 
     `positions_of(group_rank)` gives the global positions (T,) of that rank's tokens (queries and keys
@@ -189,8 +194,7 @@ def gradient_mesh(mesh, layout, sharded: bool):
         # HSDP: (replicate, shard x cp). Slicing a flattened dimension back out of the root mesh is
         # deprecated, so flatten the three data dimensions and unflatten them into the two FSDP wants.
         every = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return every._unflatten(0, (layout.dp_replicate, layout.dp_shard * layout.cp),
-                                ("dp_replicate", "dp_shard_cp"))
+        return every._unflatten(0, (layout.dp_replicate, layout.dp_shard * layout.cp), ("dp_replicate", "dp_shard_cp"))
     if layout.cp == 1:
         return mesh["dp_replicate"]
     return mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp")

@@ -14,23 +14,41 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-FIELDS = ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",
-          "power_cap_fraction", "ecc_correctable", "ecc_uncorrectable",
-          "retired_pages", "row_remap_pending", "row_remap_failed")
+FIELDS = (
+    "utilization_ratio",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "temperature_c",
+    "power_w",
+    "power_cap_fraction",
+    "ecc_correctable",
+    "ecc_uncorrectable",
+    "retired_pages",
+    "row_remap_pending",
+    "row_remap_failed",
+)
 
 
 def read_health(gpu: bool, rocm: bool) -> dict[str, Any]:
     """{"source", "note", "driver", "devices": [{"index", "name", FIELDS...}]}."""
     if not gpu:
-        return {"source": None, "note": "no GPU on this node: hardware health not checked", "driver": None,
-                "devices": []}
+        return {
+            "source": None,
+            "note": "no GPU on this node: hardware health not checked",
+            "driver": None,
+            "devices": [],
+        }
     reader = _amd if rocm else _nvidia
     try:
         return reader()
     except Exception as exc:  # the library is missing or cannot start (no driver, ROCm absent)
         library = "amdsmi (from the ROCm install)" if rocm else "nvidia-ml-py (pip install phalanx[nvidia])"
-        return {"source": None, "note": f"{library} unavailable ({type(exc).__name__}: {exc}): "
-                                        "hardware health not checked", "driver": None, "devices": []}
+        return {
+            "source": None,
+            "note": f"{library} unavailable ({type(exc).__name__}: {exc}): hardware health not checked",
+            "driver": None,
+            "devices": [],
+        }
 
 
 def _try(read: Callable[..., Any], *args: Any) -> Any:
@@ -48,8 +66,12 @@ def _nvidia() -> dict[str, Any]:
         devices = []
         for index in range(nv.nvmlDeviceGetCount()):
             devices.append({"index": index, **_nvidia_device(nv, nv.nvmlDeviceGetHandleByIndex(index))})
-        return {"source": "pynvml", "note": None, "driver": _text(_try(nv.nvmlSystemGetDriverVersion)),
-                "devices": devices}
+        return {
+            "source": "pynvml",
+            "note": None,
+            "driver": _text(_try(nv.nvmlSystemGetDriverVersion)),
+            "devices": devices,
+        }
     finally:
         _try(nv.nvmlShutdown)
 
@@ -59,8 +81,10 @@ def _nvidia_device(nv: Any, h: Any) -> dict[str, Any]:
     limit = _try(nv.nvmlDeviceGetEnforcedPowerLimit, h)
     default = _try(nv.nvmlDeviceGetPowerManagementDefaultLimit, h)
     # pre-Ampere boards retire pages; Ampere and later remap rows instead: (corrected, uncorrected, pending, failed)
-    causes = (nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
-              nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+    causes = (
+        nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+        nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+    )
     retired = [_try(nv.nvmlDeviceGetRetiredPages, h, cause) for cause in causes]
     remap = _try(nv.nvmlDeviceGetRemappedRows, h)
     memory = _try(nv.nvmlDeviceGetMemoryInfo, h)
@@ -73,10 +97,12 @@ def _nvidia_device(nv: Any, h: Any) -> dict[str, Any]:
         "temperature_c": _number(_try(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)),
         "power_w": power / 1000 if _number(power) is not None else None,
         "power_cap_fraction": _ratio(limit, default),
-        "ecc_correctable": _number(_try(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-                                        nv.NVML_VOLATILE_ECC)),
-        "ecc_uncorrectable": _number(_try(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                          nv.NVML_VOLATILE_ECC)),
+        "ecc_correctable": _number(
+            _try(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC)
+        ),
+        "ecc_uncorrectable": _number(
+            _try(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+        ),
         "retired_pages": sum(len(pages) for pages in retired) if all(p is not None for p in retired) else None,
         "row_remap_pending": int(bool(remap[2])) if remap else None,
         "row_remap_failed": int(bool(remap[3])) if remap else None,

@@ -20,16 +20,20 @@ SUPPORTED = "MI300X/MI325X/MI355X or H100/H200/B200-class GPUs"
 def check_float8(device: torch.device, tp: int = 1) -> None:
     """Refuse float8 where it cannot run, naming why."""
     if device.type != "cuda":
-        raise PhalanxError(f"train.dtype=float8 needs a GPU with fp8 matrix cores ({SUPPORTED}); this runs on "
-                           f"{device.type}: use bfloat16 or auto")
+        raise PhalanxError(
+            f"train.dtype=float8 needs a GPU with fp8 matrix cores ({SUPPORTED}); this runs on "
+            f"{device.type}: use bfloat16 or auto"
+        )
     if torch.version.hip:
         arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
         if arch not in ROCM_FP8_ARCHS:
             raise PhalanxError(f"train.dtype=float8 needs {SUPPORTED}; this AMD GPU is {arch}")
     elif torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        raise PhalanxError(f"train.dtype=float8 needs {SUPPORTED} (compute capability 8.9+); {name} has "
-                           f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+        raise PhalanxError(
+            f"train.dtype=float8 needs {SUPPORTED} (compute capability 8.9+); {name} has "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+        )
     if tp > 1:
         raise PhalanxError("train.dtype=float8 with parallel.tp > 1 is not supported yet; use FSDP (dp_shard)")
     try:
@@ -44,5 +48,10 @@ def apply_float8(model: nn.Module) -> None:
 
     # fp8 matmuls need both dimensions divisible by 16; the all-gather in fp8 halves FSDP2's traffic.
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: (
-        name != "output" and module.in_features % 16 == 0 and module.out_features % 16 == 0))
+    convert_to_float8_training(
+        model,
+        config=config,
+        module_filter_fn=lambda module, name: (
+            name != "output" and module.in_features % 16 == 0 and module.out_features % 16 == 0
+        ),
+    )

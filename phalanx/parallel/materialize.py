@@ -28,8 +28,9 @@ def plain_name(name: str) -> str:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, rules: dict[str, tuple[str, float]], device: torch.device, seed: int,
-                init_buffers) -> None:
+def materialize(
+    model: nn.Module, rules: dict[str, tuple[str, float]], device: torch.device, seed: int, init_buffers
+) -> None:
     """Allocate `model` (parallelised on the meta device) on `device` and initialise it by `rules`
     (Transformer.init_rules() of the unwrapped model); `init_buffers()` then rebuilds the buffers."""
     from torch.distributed.tensor import DTensor, distribute_tensor

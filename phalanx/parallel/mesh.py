@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from phalanx.config.schema import ParallelSection
 from phalanx.errors import PhalanxError
 
-
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -44,8 +43,13 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     def describe(self) -> str:
-        parts = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                 ("cp", self.cp), ("tp", self.tp)]
+        parts = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("cp", self.cp),
+            ("tp", self.tp),
+        ]
         return " x ".join(f"{name}={size}" for name, size in parts if size > 1 or name.startswith("dp_"))
 
 
@@ -57,16 +61,19 @@ def resolve_layout(section: ParallelSection, world_size: int) -> Layout:
     tp, pp, cp = section.tp, section.pp, section.cp
     model_parallel = tp * pp * cp
     if world_size % model_parallel:
-        raise PhalanxError(f"parallel.pp={pp} x cp={cp} x tp={tp} = {model_parallel} does not divide the world "
-                           f"size {world_size}")
+        raise PhalanxError(
+            f"parallel.pp={pp} x cp={cp} x tp={tp} = {model_parallel} does not divide the world size {world_size}"
+        )
     rest = world_size // model_parallel
     replicate, shard = section.dp_replicate, section.dp_shard
     if shard == -1:
         if replicate is None:
             replicate = 1
         if rest % replicate:
-            raise PhalanxError(f"parallel.dp_replicate={replicate} x pp x cp x tp = {replicate * model_parallel} "
-                               f"does not divide the world size {world_size}")
+            raise PhalanxError(
+                f"parallel.dp_replicate={replicate} x pp x cp x tp = {replicate * model_parallel} "
+                f"does not divide the world size {world_size}"
+            )
         shard = rest // replicate
     if replicate is None and shard is None:
         replicate, shard = (rest, 1) if section.strategy == "ddp" else (1, rest)
@@ -76,9 +83,11 @@ def resolve_layout(section: ParallelSection, world_size: int) -> Layout:
         shard = rest // replicate if rest % replicate == 0 else 0
     layout = Layout(replicate, shard, tp, pp, cp)
     if layout.world_size != world_size or not replicate or not shard:
-        raise PhalanxError(f"the layout pp={pp} x dp_replicate={section.dp_replicate or '?'} x "
-                           f"dp_shard={section.dp_shard or '?'} x cp={cp} x tp={tp} does not multiply to the world "
-                           f"size {world_size} (parallel.*)")
+        raise PhalanxError(
+            f"the layout pp={pp} x dp_replicate={section.dp_replicate or '?'} x "
+            f"dp_shard={section.dp_shard or '?'} x cp={cp} x tp={tp} does not multiply to the world "
+            f"size {world_size} (parallel.*)"
+        )
     return layout
 
 
@@ -88,8 +97,9 @@ def build_mesh(layout: Layout, device_type: str):
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
-                            mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(
+        device_type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp), mesh_dim_names=MESH_DIMS
+    )
 
 
 def dp_coordinate(mesh, layout: Layout) -> tuple[int, int]:

@@ -48,8 +48,10 @@ def split_layers(n_layers: int, n_stages: int) -> list[StagePlan]:
     """Contiguous, balanced stages over the units [embedding, layer 0, ..., layer n-1, head]."""
     units = n_layers + 2
     if n_stages > units:
-        raise PhalanxError(f"{n_stages} pipeline stages need at least {n_stages - 2} layers (the embedding and the "
-                           f"head count as one each); the model has {n_layers}")
+        raise PhalanxError(
+            f"{n_stages} pipeline stages need at least {n_stages - 2} layers (the embedding and the "
+            f"head count as one each); the model has {n_layers}"
+        )
     plans = []
     for s in range(n_stages):
         lo, hi = s * units // n_stages, (s + 1) * units // n_stages
@@ -79,16 +81,21 @@ def check_pipeline(args: ModelArgs, parallel, micro_rows: int | None = None) -> 
         raise PhalanxError(f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     split_layers(args.n_layers, pp * stages_per_rank(schedule))
     if args.tie_embeddings:
-        raise PhalanxError("model.tie_embeddings=true shares one weight between the first and the last pipeline "
-                           "stage, which parallel.pp > 1 does not support: set model.tie_embeddings=false")
+        raise PhalanxError(
+            "model.tie_embeddings=true shares one weight between the first and the last pipeline "
+            "stage, which parallel.pp > 1 does not support: set model.tie_embeddings=false"
+        )
     if parallel.cp > 1:
         raise PhalanxError("parallel.pp > 1 does not compose with parallel.cp > 1 yet")
     if schedule == "interleaved_1f1b" and n_microbatches % pp:
-        raise PhalanxError(f"interleaved_1f1b needs parallel.pp_microbatches ({n_microbatches}) to be a multiple "
-                           f"of parallel.pp ({pp})")
+        raise PhalanxError(
+            f"interleaved_1f1b needs parallel.pp_microbatches ({n_microbatches}) to be a multiple of parallel.pp ({pp})"
+        )
     if micro_rows is not None and micro_rows % n_microbatches:
-        raise PhalanxError(f"parallel.pp_microbatches={n_microbatches} does not divide the micro-batch of "
-                           f"{micro_rows} sequences per data-parallel rank (train.micro_batch_size)")
+        raise PhalanxError(
+            f"parallel.pp_microbatches={n_microbatches} does not divide the micro-batch of "
+            f"{micro_rows} sequences per data-parallel rank (train.micro_batch_size)"
+        )
 
 
 class TransformerStage(nn.Module):
@@ -178,8 +185,7 @@ class Pipeline:
     so with the mean-cross-entropy loss per micro-batch the gradients are those of the mean over the
     share, as without pipelining."""
 
-    def __init__(self, model: PipelinedModel, schedule: str, n_microbatches: int, pp_group,
-                 device: torch.device):
+    def __init__(self, model: PipelinedModel, schedule: str, n_microbatches: int, pp_group, device: torch.device):
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,

@@ -25,8 +25,12 @@ from phalanx.errors import PhalanxError
 
 def check_tp(args, tp: int) -> None:
     """Each rank must hold whole heads and an equal share of the FFN and vocabulary."""
-    for what, n in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("ffn_dim", args.ffn_dim),
-                    ("vocab_size", args.vocab_size)):
+    for what, n in (
+        ("n_heads", args.n_heads),
+        ("n_kv_heads", args.n_kv_heads),
+        ("ffn_dim", args.ffn_dim),
+        ("vocab_size", args.vocab_size),
+    ):
         if n % tp:
             raise PhalanxError(f"parallel.tp={tp} does not divide the model's {what} ({n})")
 
@@ -35,27 +39,36 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     """Split `model` (a phalanx Transformer, before any data-parallel wrapping) across `tp_mesh`."""
     check_tp(model.args, tp_mesh.size())
     tied = model.args.tie_embeddings
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
     if tied:  # both split the shared (vocab, dim) weight by rows: one parameter again
         model.output.weight = model.tok_embeddings.weight
     # The attention takes (x, cos, signed sin, kv_cache, start_pos, decode_rows): only x is distributed.
     attention_inputs = (Shard(1), None, None, None, None, None)
     for block in model.layers:
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=attention_inputs,
-                                            desired_input_layouts=(Replicate(), None, None, None, None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=attention_inputs, desired_input_layouts=(Replicate(), None, None, None, None, None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )

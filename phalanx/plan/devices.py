@@ -49,8 +49,14 @@ _GPUS: dict[str, tuple[float, str, str]] = {
 # MI350X/MI355X 1,075 GB/s of Infinity Fabric both ways; NVLink 3/4/5 600/900/1,800 GB/s both ways) and
 # across nodes (one 400 Gb/s NIC per GPU, the usual build of these clusters). Collectives reach less.
 _LINKS: dict[str, tuple[float, float]] = {
-    "mi300x": (448, 50), "mi325x": (448, 50), "mi350x": (537, 50), "mi355x": (537, 50),
-    "a100": (300, 25), "h100": (450, 50), "h200": (450, 50), "b200": (900, 50),
+    "mi300x": (448, 50),
+    "mi325x": (448, 50),
+    "mi350x": (537, 50),
+    "mi355x": (537, 50),
+    "a100": (300, 25),
+    "h100": (450, 50),
+    "h200": (450, 50),
+    "b200": (900, 50),
 }
 
 # A CPU's fp32 peak is not in any table: cores x an AVX2-class 32 FLOP/cycle (two 8-wide FMA units)
@@ -89,8 +95,10 @@ def cpu_device(peak: float | None = None) -> Device:
 
     cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     guessed = cores * CPU_FLOP_PER_CYCLE_PER_CORE * CPU_ASSUMED_GHZ / 1000
-    source = ("this host's RAM (psutil); peak from --peak-tflops" if peak else
-              f"this host's RAM (psutil); peak guessed as {cores} cores x {CPU_FLOP_PER_CYCLE_PER_CORE} "
-              f"FLOP/cycle x {CPU_ASSUMED_GHZ} GHz")
-    return Device("cpu", psutil.virtual_memory().total / 2**30, peak or guessed, "cpu", source,
-                  shared_by_ranks=True)
+    source = (
+        "this host's RAM (psutil); peak from --peak-tflops"
+        if peak
+        else f"this host's RAM (psutil); peak guessed as {cores} cores x {CPU_FLOP_PER_CYCLE_PER_CORE} "
+        f"FLOP/cycle x {CPU_ASSUMED_GHZ} GHz"
+    )
+    return Device("cpu", psutil.virtual_memory().total / 2**30, peak or guessed, "cpu", source, shared_by_ranks=True)

@@ -44,9 +44,19 @@ from phalanx.train.step import train_step
 BUILD, STEPS = "phalanx.plan.build", "phalanx.plan.steps"
 
 
-def measure(preset: str, strategy: str, micro_batch: int, seq_len: int, *, steps: int = 2,
-            accumulation: int = 1, activation_checkpointing: bool = False, dtype: str = "float32",
-            overrides: dict[str, Any] | None = None, tp: int = 1) -> dict[str, Any]:
+def measure(
+    preset: str,
+    strategy: str,
+    micro_batch: int,
+    seq_len: int,
+    *,
+    steps: int = 2,
+    accumulation: int = 1,
+    activation_checkpointing: bool = False,
+    dtype: str = "float32",
+    overrides: dict[str, Any] | None = None,
+    tp: int = 1,
+) -> dict[str, Any]:
     """Peak live tensor bytes of this rank over `steps` optimizer steps (the second is the steady
     state: optimizer states exist while activations are alive)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -64,39 +74,73 @@ def measure(preset: str, strategy: str, micro_batch: int, seq_len: int, *, steps
                 torch.manual_seed(0)
                 if tp > 1:  # a 2-D layout: built as training builds it (meta, TP, FSDP2, materialised)
                     layout = Layout(1, env.world_size // tp, tp)
-                    model = build_parallel_model(args, layout, build_mesh(layout, "cpu"), env.device, seed=0,
-                                                 activation_checkpointing=activation_checkpointing, compile=False,
-                                                 dtype=cdtype)
+                    model = build_parallel_model(
+                        args,
+                        layout,
+                        build_mesh(layout, "cpu"),
+                        env.device,
+                        seed=0,
+                        activation_checkpointing=activation_checkpointing,
+                        compile=False,
+                        dtype=cdtype,
+                    )
                 else:
                     model = Transformer(args).to(env.device)
-                    model = parallelize(model, strategy, env, activation_checkpointing=activation_checkpointing,
-                                        compile=False, dtype=cdtype)
+                    model = parallelize(
+                        model,
+                        strategy,
+                        env,
+                        activation_checkpointing=activation_checkpointing,
+                        compile=False,
+                        dtype=cdtype,
+                    )
                 optimizer = build_optimizer(model, train)
                 params = [p for p in model.parameters() if p.requires_grad]
             fsdp = env.distributed and (strategy == "fsdp" if tp == 1 else uses_fsdp(layout))
             # As the trainer: under FSDP the mixed-precision policy casts parameters, elsewhere autocast does.
-            autocast = ((lambda: torch.autocast("cpu", dtype=cdtype)) if cdtype != torch.float32 and not fsdp
-                        else contextlib.nullcontext)
+            autocast = (
+                (lambda: torch.autocast("cpu", dtype=cdtype))
+                if cdtype != torch.float32 and not fsdp
+                else contextlib.nullcontext
+            )
             generator = torch.Generator().manual_seed(env.rank)
             with record_function(STEPS):
                 for _ in range(steps):
-                    micro_batches = [_random_batch(args.vocab_size, micro_batch, seq_len, generator)
-                                     for _ in range(accumulation)]
-                    train_step(model, optimizer, params, micro_batches, device=env.device,
-                               grad_clip=train.grad_clip, autocast=autocast)
+                    micro_batches = [
+                        _random_batch(args.vocab_size, micro_batch, seq_len, generator) for _ in range(accumulation)
+                    ]
+                    train_step(
+                        model,
+                        optimizer,
+                        params,
+                        micro_batches,
+                        device=env.device,
+                        grad_clip=train.grad_clip,
+                        autocast=autocast,
+                    )
             del model, optimizer, params, micro_batches
             gc.collect()  # everything built above is freed inside the trace
         peak, unpaired = _peak_live_bytes(prof.profiler.kineto_results)
         clean = True
     finally:
         teardown(clean)
-    return {"rank": env.rank, "world_size": env.world_size, "preset": preset, "model": overrides or {},
-            "strategy": strategy, "tp": tp,
-            "micro_batch": micro_batch, "seq_len": seq_len, "accumulation": accumulation,
-            "activation_checkpointing": activation_checkpointing, "dtype": str(cdtype).removeprefix("torch."),
-            "peak_tensor_bytes": peak, "unpaired_bytes": unpaired,
-            "rss_delta_bytes": _rss_bytes(peak=True) - rss_base,
-            "torch": torch.__version__}
+    return {
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "preset": preset,
+        "model": overrides or {},
+        "strategy": strategy,
+        "tp": tp,
+        "micro_batch": micro_batch,
+        "seq_len": seq_len,
+        "accumulation": accumulation,
+        "activation_checkpointing": activation_checkpointing,
+        "dtype": str(cdtype).removeprefix("torch."),
+        "peak_tensor_bytes": peak,
+        "unpaired_bytes": unpaired,
+        "rss_delta_bytes": _rss_bytes(peak=True) - rss_base,
+        "torch": torch.__version__,
+    }
 
 
 def _random_batch(vocab: int, batch: int, seq_len: int, generator: torch.Generator):
@@ -173,15 +217,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
-                        help="override a model shape field of the preset, e.g. vocab_size=512")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="KEY=INT",
+        help="override a model shape field of the preset, e.g. vocab_size=512",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the rest shard with FSDP)")
     parser.add_argument("--out", type=Path, required=True)
     opts = parser.parse_args(argv)
     overrides = {key: int(value) for key, _, value in (item.partition("=") for item in opts.model)}
-    result = measure(opts.preset, opts.strategy, opts.micro_batch, opts.seq_len, steps=opts.steps,
-                     accumulation=opts.accumulation, activation_checkpointing=opts.activation_checkpointing,
-                     dtype=opts.dtype, overrides=overrides, tp=opts.tp)
+    result = measure(
+        opts.preset,
+        opts.strategy,
+        opts.micro_batch,
+        opts.seq_len,
+        steps=opts.steps,
+        accumulation=opts.accumulation,
+        activation_checkpointing=opts.activation_checkpointing,
+        dtype=opts.dtype,
+        overrides=overrides,
+        tp=opts.tp,
+    )
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / f"rank{result['rank']}.json").write_text(json.dumps(result))
 

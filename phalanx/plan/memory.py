@@ -71,14 +71,16 @@ class Workload:
         if self.strategy == "none" and self.world_size != 1:
             raise PhalanxError("strategy none runs one process; use ddp or fsdp for more than one device")
         if self.dtype not in ("bfloat16", "float32") or self.device_kind not in ("gpu", "cpu"):
-            raise PhalanxError(f"dtype must be bfloat16|float32 and device kind gpu|cpu, not "
-                               f"{self.dtype}, {self.device_kind}")
+            raise PhalanxError(
+                f"dtype must be bfloat16|float32 and device kind gpu|cpu, not {self.dtype}, {self.device_kind}"
+            )
         for name in ("world_size", "micro_batch", "seq_len", "accumulation", "tp", "in_flight"):
             if getattr(self, name) < 1:
                 raise PhalanxError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
         if self.seq_len > self.args.max_seq_len:
-            raise PhalanxError(f"sequence length {self.seq_len} exceeds the model's max_seq_len "
-                               f"{self.args.max_seq_len}")
+            raise PhalanxError(
+                f"sequence length {self.seq_len} exceeds the model's max_seq_len {self.args.max_seq_len}"
+            )
 
     @property
     def sharded(self) -> bool:
@@ -260,9 +262,14 @@ class _StepWalk:
             self._backward(micro, last=micro == w.accumulation - 1)
         self._optimizer_step()
         return MemoryEstimate(
-            peak_bytes=live.peak, peak_at=live.peak_at, at_peak=live.at_peak,
-            parameters=int(self.params + self.buffers), gradients=int(self.grads),
-            optimizer_states=int(self.states), ddp_buckets=int(self.buckets), activations=int(saved),
+            peak_bytes=live.peak,
+            peak_at=live.peak_at,
+            at_peak=live.at_peak,
+            parameters=int(self.params + self.buffers),
+            gradients=int(self.grads),
+            optimizer_states=int(self.states),
+            ddp_buckets=int(self.buckets),
+            activations=int(saved),
         )
 
     def _forward_saved(self) -> int:
@@ -352,8 +359,9 @@ class _StepWalk:
             live.free(WEIGHT_COPIES, per_block_copies)
             if w.sharded:
                 live.free(WEIGHT_COPIES, self.gather * self.block_padded)  # reshard
-                rs_input = self._reduce_scatter(self.block_numel, self.block_padded, fsdp_grad, rs_input,
-                                                last, where + " reduce-scatter")
+                rs_input = self._reduce_scatter(
+                    self.block_numel, self.block_padded, fsdp_grad, rs_input, last, where + " reduce-scatter"
+                )
 
         live.free(ACTIVATIONS, self.rope_saved())  # the last block that kept them is done
         # Embedding: a dense V x D gradient. Tied, autograd adds it to the output projection's (waiting
@@ -366,8 +374,14 @@ class _StepWalk:
             self._weight_grad(v * d, where)
         if w.sharded:
             live.free(WEIGHT_COPIES, self.gather * self.root_padded)  # root reshards after backward
-            rs_input = self._reduce_scatter(self.root_numel, self.root_padded, fsdp_grad, rs_input, last,
-                                            "backward: reduce-scatter of the root group")
+            rs_input = self._reduce_scatter(
+                self.root_numel,
+                self.root_padded,
+                fsdp_grad,
+                rs_input,
+                last,
+                "backward: reduce-scatter of the root group",
+            )
             live.free(TEMPORARIES, rs_input)
 
     def _prefetch(self, nbytes: float, moment: str) -> None:
@@ -385,8 +399,9 @@ class _StepWalk:
             return
         self.live.add(TEMPORARIES, self.gather * numel, moment)
 
-    def _reduce_scatter(self, numel: float, padded: float, grad_bytes: int, previous_input: float, last: bool,
-                        moment: str) -> float:
+    def _reduce_scatter(
+        self, numel: float, padded: float, grad_bytes: int, previous_input: float, last: bool, moment: str
+    ) -> float:
         """FSDP post-backward of one group; returns the reduce-scatter input it leaves alive."""
         live, n = self.live, self.w.world_size
         if not last:  # no gradient sync: keep the unsharded gradients, upcast to float32

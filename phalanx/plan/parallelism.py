@@ -67,8 +67,13 @@ class Parallelism:
         return self.dp_shard * self.cp
 
     def describe(self) -> str:
-        parts = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                 ("cp", self.cp), ("tp", self.tp)]
+        parts = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("cp", self.cp),
+            ("tp", self.tp),
+        ]
         text = " x ".join(f"{name}={size}" for name, size in parts if size > 1) or "one rank"
         if self.pp > 1:
             text += f" ({self.schedule}, {self.microbatches} micro-batches)"
@@ -79,8 +84,9 @@ class Parallelism:
         from phalanx.parallel.tensor_parallel import check_tp
 
         if self.world_size != world_size:
-            raise PhalanxError(f"the layout {self.describe()} has {self.world_size} ranks, not the {world_size} "
-                               f"of --gpus")
+            raise PhalanxError(
+                f"the layout {self.describe()} has {self.world_size} ranks, not the {world_size} of --gpus"
+            )
         check_tp(args, self.tp)
         chunks = self.pp * self.virtual_stages
         if chunks > args.n_layers:
@@ -88,8 +94,9 @@ class Parallelism:
         if seq_len % self.cp:
             raise PhalanxError(f"--cp {self.cp} does not divide the sequence length {seq_len}")
         if self.pp > 1 and self.microbatches < self.pp:
-            raise PhalanxError(f"{self.microbatches} pipeline micro-batches cannot fill {self.pp} stages "
-                               f"(--pp-microbatches >= --pp)")
+            raise PhalanxError(
+                f"{self.microbatches} pipeline micro-batches cannot fill {self.pp} stages (--pp-microbatches >= --pp)"
+            )
 
     # -- pipeline -----------------------------------------------------------------------------------
     def bubble_fraction(self) -> float:
@@ -119,8 +126,13 @@ class Parallelism:
 
     # -- where each group's ranks are ---------------------------------------------------------------
     def intra_node(self, dim: str) -> bool:
-        inner = {"tp": self.tp, "cp": self.cp * self.tp, "dp_shard": self.dp_shard * self.cp * self.tp,
-                 "dp_replicate": self.dp * self.cp * self.tp, "pp": self.world_size}[dim]
+        inner = {
+            "tp": self.tp,
+            "cp": self.cp * self.tp,
+            "dp_shard": self.dp_shard * self.cp * self.tp,
+            "dp_replicate": self.dp * self.cp * self.tp,
+            "pp": self.world_size,
+        }[dim]
         return inner <= GPUS_PER_NODE
 
 
@@ -133,8 +145,7 @@ def stage_param_numel(args: ModelArgs, par: Parallelism) -> int:
     return root + par.stage_layers(args) * block
 
 
-def communication(args: ModelArgs, par: Parallelism, micro_batch: int, seq_len: int,
-                  dtype: str) -> dict[str, float]:
+def communication(args: ModelArgs, par: Parallelism, micro_batch: int, seq_len: int, dtype: str) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, by kind."""
     act = BF16 if dtype == "bfloat16" else FP32
     gather = act if par.uses_fsdp else FP32
@@ -170,9 +181,20 @@ def communication(args: ModelArgs, par: Parallelism, micro_batch: int, seq_len: 
     return out
 
 
-def step_time(args: ModelArgs, par: Parallelism, comm: dict[str, float], *, micro_batch: int, seq_len: int,
-              flops_per_token: float, peak_tflops: float, mfu: float,
-              intra_gbps: float, inter_gbps: float, recompute: bool) -> dict[str, float]:
+def step_time(
+    args: ModelArgs,
+    par: Parallelism,
+    comm: dict[str, float],
+    *,
+    micro_batch: int,
+    seq_len: int,
+    flops_per_token: float,
+    peak_tflops: float,
+    mfu: float,
+    intra_gbps: float,
+    inter_gbps: float,
+    recompute: bool,
+) -> dict[str, float]:
     """Seconds per optimizer step on the busiest rank: compute at `mfu` of peak stretched by the bubble
     (and by activation checkpointing's recomputed forward), plus exposed communication."""
     m = par.microbatches
@@ -187,8 +209,18 @@ def step_time(args: ModelArgs, par: Parallelism, comm: dict[str, float], *, micr
         return comm.get(kind, 0.0) / (bw * 1e9)
 
     exposed = seconds("tp activations", "tp") + seconds("pp send/recv", "pp")
-    overlapped = (seconds("fsdp all-gather", "dp_shard") + seconds("fsdp reduce-scatter", "dp_shard")
-                  + seconds("dp all-reduce", "dp_replicate") + seconds("cp K/V ring", "cp"))
+    overlapped = (
+        seconds("fsdp all-gather", "dp_shard")
+        + seconds("fsdp reduce-scatter", "dp_shard")
+        + seconds("dp all-reduce", "dp_replicate")
+        + seconds("cp K/V ring", "cp")
+    )
     total = busy + exposed + max(0.0, overlapped - compute)
-    return {"compute_s": compute, "bubble_s": busy - compute, "exposed_comm_s": total - busy, "step_s": total,
-            "tokens_per_step": tokens_per_replica * par.dp, "tokens_per_sec": tokens_per_replica * par.dp / total}
+    return {
+        "compute_s": compute,
+        "bubble_s": busy - compute,
+        "exposed_comm_s": total - busy,
+        "step_s": total,
+        "tokens_per_step": tokens_per_replica * par.dp,
+        "tokens_per_sec": tokens_per_replica * par.dp / total,
+    }

@@ -48,28 +48,45 @@ class Job:
 
     def workload(self, device: Device, **changes: Any) -> Workload:
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device.kind == "gpu" else "float32")
-        fields = dict(args=self.args, strategy=self.strategy, world_size=self.world_size,
-                      micro_batch=self.micro_batch, seq_len=self.seq_len, accumulation=self.accumulation,
-                      activation_checkpointing=self.activation_checkpointing, dtype=dtype,
-                      device_kind=device.kind)
+        fields = dict(
+            args=self.args,
+            strategy=self.strategy,
+            world_size=self.world_size,
+            micro_batch=self.micro_batch,
+            seq_len=self.seq_len,
+            accumulation=self.accumulation,
+            activation_checkpointing=self.activation_checkpointing,
+            dtype=dtype,
+            device_kind=device.kind,
+        )
         return Workload(**{**fields, **changes})
 
 
-def resolve_job(source: str, gpus: int, *, strategy: str | None = None, micro_batch: int | None = None,
-                seq_len: int | None = None, activation_checkpointing: bool | None = None,
-                overrides: list[str] | tuple[str, ...] = ()) -> Job:
+def resolve_job(
+    source: str,
+    gpus: int,
+    *,
+    strategy: str | None = None,
+    micro_batch: int | None = None,
+    seq_len: int | None = None,
+    activation_checkpointing: bool | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> Job:
     """A Job from a model preset name or a run config (a YAML path or a config preset, with `section.key=value`
     overrides as `phalanx train` takes them); options override both."""
     if gpus < 1:
         raise PhalanxError(f"--gpus must be at least 1, got {gpus}")
     if source in MODEL_PRESETS and not Path(source).is_file():
         if overrides:
-            raise PhalanxError(f"overrides such as '{overrides[0]}' apply to a run config, not the model preset "
-                               f"'{source}'; use --micro-batch, --seq-len and --strategy, or plan a config")
+            raise PhalanxError(
+                f"overrides such as '{overrides[0]}' apply to a run config, not the model preset "
+                f"'{source}'; use --micro-batch, --seq-len and --strategy, or plan a config"
+            )
         args = MODEL_PRESETS[source]
         seq = seq_len or min(args.max_seq_len, MAX_SEQ_DEFAULT)
-        job = Job(source, args, strategy or "fsdp", gpus, micro_batch or 1, seq, 1,
-                  bool(activation_checkpointing), "auto")
+        job = Job(
+            source, args, strategy or "fsdp", gpus, micro_batch or 1, seq, 1, bool(activation_checkpointing), "auto"
+        )
     else:
         job = _job_from_config(source, gpus, strategy, micro_batch, seq_len, activation_checkpointing, overrides)
     if job.strategy == "none" and gpus > 1:
@@ -82,15 +99,23 @@ def resolve_job(source: str, gpus: int, *, strategy: str | None = None, micro_ba
     return job
 
 
-def _job_from_config(source: str, gpus: int, strategy: str | None, micro_batch: int | None,
-                     seq_len: int | None, activation_checkpointing: bool | None,
-                     overrides: list[str] | tuple[str, ...] = ()) -> Job:
+def _job_from_config(
+    source: str,
+    gpus: int,
+    strategy: str | None,
+    micro_batch: int | None,
+    seq_len: int | None,
+    activation_checkpointing: bool | None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> Job:
     from phalanx.config.loader import load_config, preset_names
     from phalanx.models.from_config import model_args
 
     if not Path(source).is_file() and source not in preset_names() and not source.endswith((".yaml", ".yml")):
-        raise PhalanxError(f"'{source}' is neither a config file, a config preset ({', '.join(preset_names())}) "
-                           f"nor a model preset ({', '.join(MODEL_PRESETS)})")
+        raise PhalanxError(
+            f"'{source}' is neither a config file, a config preset ({', '.join(preset_names())}) "
+            f"nor a model preset ({', '.join(MODEL_PRESETS)})"
+        )
     config = load_config(source, overrides)
     tc = config.train
     # The vocabulary the run's tokenizer would have: model.vocab_size if set, else at most data.vocab_size.
@@ -99,16 +124,31 @@ def _job_from_config(source: str, gpus: int, strategy: str | None, micro_batch: 
     strat = strategy or config.parallel.strategy
     ranks = gpus if strat != "none" else 1
     if micro_batch is None and tc.micro_batch_size is None and tc.global_batch_size % ranks:
-        raise PhalanxError(f"train.global_batch_size ({tc.global_batch_size}) must be a multiple of the {ranks} "
-                           f"ranks, which share each batch evenly (override it: train.global_batch_size=N)")
+        raise PhalanxError(
+            f"train.global_batch_size ({tc.global_batch_size}) must be a multiple of the {ranks} "
+            f"ranks, which share each batch evenly (override it: train.global_batch_size=N)"
+        )
     micro = micro_batch or tc.micro_batch(ranks)  # as the trainer: each rank's share when not set
     if tc.global_batch_size % (micro * ranks):
-        raise PhalanxError(f"train.global_batch_size ({tc.global_batch_size}) must be a multiple of the micro "
-                           f"batch ({micro}) x {ranks} ranks = {micro * ranks}")
-    return Job(source, args, strat, gpus, micro, seq_len or tc.seq_len, tc.global_batch_size // (micro * ranks),
-               tc.activation_checkpointing if activation_checkpointing is None else activation_checkpointing,
-               tc.dtype, cp=config.parallel.cp, pp_schedule=config.parallel.pp_schedule,
-               pp_microbatches=config.parallel.pp_microbatches, config_layout=_config_layout(config.parallel, gpus))
+        raise PhalanxError(
+            f"train.global_batch_size ({tc.global_batch_size}) must be a multiple of the micro "
+            f"batch ({micro}) x {ranks} ranks = {micro * ranks}"
+        )
+    return Job(
+        source,
+        args,
+        strat,
+        gpus,
+        micro,
+        seq_len or tc.seq_len,
+        tc.global_batch_size // (micro * ranks),
+        tc.activation_checkpointing if activation_checkpointing is None else activation_checkpointing,
+        tc.dtype,
+        cp=config.parallel.cp,
+        pp_schedule=config.parallel.pp_schedule,
+        pp_microbatches=config.parallel.pp_microbatches,
+        config_layout=_config_layout(config.parallel, gpus),
+    )
 
 
 def _config_layout(parallel, gpus: int) -> dict[str, int] | None:
@@ -131,31 +171,45 @@ def plan(job: Job, device: Device, *, mfu: float = DEFAULT_MFU, headroom: float 
     other = estimate(job.workload(device, activation_checkpointing=other_ac))
     tokens = projected_tokens_per_sec(job.args, job.seq_len, device, mfu, job.world_size)
     return {
-        "source": job.name, "device": device.name, "device_kind": device.kind, "devices": job.world_size,
-        "device_memory_gib": device.memory_gib, "peak_tflops": device.peak_tflops, "device_source": device.source,
-        "model": dataclasses.asdict(job.args), "params": count_params(job.args),
-        "strategy": workload.strategy, "dtype": workload.dtype, "micro_batch": job.micro_batch,
-        "seq_len": job.seq_len, "accumulation": job.accumulation,
+        "source": job.name,
+        "device": device.name,
+        "device_kind": device.kind,
+        "devices": job.world_size,
+        "device_memory_gib": device.memory_gib,
+        "peak_tflops": device.peak_tflops,
+        "device_source": device.source,
+        "model": dataclasses.asdict(job.args),
+        "params": count_params(job.args),
+        "strategy": workload.strategy,
+        "dtype": workload.dtype,
+        "micro_batch": job.micro_batch,
+        "seq_len": job.seq_len,
+        "accumulation": job.accumulation,
         "global_batch": job.micro_batch * job.accumulation * (job.world_size if job.strategy != "none" else 1),
         "activation_checkpointing": job.activation_checkpointing,
         "memory": {**memory.as_dict(), "peak_gib": memory.peak_bytes / GIB},
-        "headroom": headroom, "usable_gib_per_rank": usable / GIB,
+        "headroom": headroom,
+        "usable_gib_per_rank": usable / GIB,
         "fits": memory.peak_bytes <= usable,
         "max_micro_batch": max_micro_batch(job, device, headroom),
         "other_activation_checkpointing": {
-            "activation_checkpointing": other_ac, "peak_gib": other.peak_bytes / GIB,
+            "activation_checkpointing": other_ac,
+            "peak_gib": other.peak_bytes / GIB,
             "fits": other.peak_bytes <= usable,
-            "max_micro_batch": max_micro_batch(dataclasses.replace(job, activation_checkpointing=other_ac),
-                                               device, headroom),
+            "max_micro_batch": max_micro_batch(
+                dataclasses.replace(job, activation_checkpointing=other_ac), device, headroom
+            ),
         },
-        "mfu": mfu, "flops_per_token": flops_per_token(job.args, job.seq_len),
+        "mfu": mfu,
+        "flops_per_token": flops_per_token(job.args, job.seq_len),
         "tokens_per_sec_per_device": tokens / job.world_size,
         "tokens_per_sec": tokens,
     }
 
 
-def compare(job: Job, devices: list[Device], *, mfu: float = DEFAULT_MFU,
-            headroom: float = DEFAULT_HEADROOM) -> list[dict[str, Any]]:
+def compare(
+    job: Job, devices: list[Device], *, mfu: float = DEFAULT_MFU, headroom: float = DEFAULT_HEADROOM
+) -> list[dict[str, Any]]:
     """One row per device: the same job on `job.world_size` of each."""
     _check_fractions(mfu, headroom)
     rows = []
@@ -165,22 +219,36 @@ def compare(job: Job, devices: list[Device], *, mfu: float = DEFAULT_MFU,
         best = max_micro_batch(job, device, headroom)
         best_ac = best if job.activation_checkpointing else max_micro_batch(with_ac, device, headroom)
         tokens = projected_tokens_per_sec(job.args, job.seq_len, device, mfu, job.world_size)
-        rows.append({
-            "device": device.name, "memory_gib": device.memory_gib, "peak_tflops": device.peak_tflops,
-            "dtype": job.workload(device).dtype, "peak_gib": memory.peak_bytes / GIB,
-            "fits": memory.peak_bytes <= usable_bytes(device, job.world_size, headroom),
-            "max_micro_batch": best, "max_micro_batch_with_ac": best_ac,
-            # Only where some micro batch fits: a run that cannot start has no speed.
-            "tokens_per_sec": tokens if (best or best_ac) else None,
-        })
+        rows.append(
+            {
+                "device": device.name,
+                "memory_gib": device.memory_gib,
+                "peak_tflops": device.peak_tflops,
+                "dtype": job.workload(device).dtype,
+                "peak_gib": memory.peak_bytes / GIB,
+                "fits": memory.peak_bytes <= usable_bytes(device, job.world_size, headroom),
+                "max_micro_batch": best,
+                "max_micro_batch_with_ac": best_ac,
+                # Only where some micro batch fits: a run that cannot start has no speed.
+                "tokens_per_sec": tokens if (best or best_ac) else None,
+            }
+        )
     return rows
 
 
 def job_summary(job: Job) -> dict[str, Any]:
-    return {"source": job.name, "params": count_params(job.args), "model": dataclasses.asdict(job.args),
-            "strategy": job.strategy, "devices": job.world_size, "micro_batch": job.micro_batch,
-            "seq_len": job.seq_len, "accumulation": job.accumulation,
-            "activation_checkpointing": job.activation_checkpointing, "dtype": job.dtype}
+    return {
+        "source": job.name,
+        "params": count_params(job.args),
+        "model": dataclasses.asdict(job.args),
+        "strategy": job.strategy,
+        "devices": job.world_size,
+        "micro_batch": job.micro_batch,
+        "seq_len": job.seq_len,
+        "accumulation": job.accumulation,
+        "activation_checkpointing": job.activation_checkpointing,
+        "dtype": job.dtype,
+    }
 
 
 def usable_bytes(device: Device, ranks: int, headroom: float) -> float:

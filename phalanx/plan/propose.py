@@ -45,13 +45,28 @@ def layout_workload(job: Job, device: Device, par: Parallelism, activation_check
     else:
         strategy, world = "none", 1
     args = dataclasses.replace(job.args, n_layers=par.stage_layers(job.args))
-    return job.workload(device, args=args, strategy=strategy, world_size=world, seq_len=job.seq_len // par.cp,
-                        accumulation=par.microbatches if par.pp == 1 else 1, tp=par.tp,
-                        in_flight=par.in_flight(), activation_checkpointing=activation_checkpointing)
+    return job.workload(
+        device,
+        args=args,
+        strategy=strategy,
+        world_size=world,
+        seq_len=job.seq_len // par.cp,
+        accumulation=par.microbatches if par.pp == 1 else 1,
+        tp=par.tp,
+        in_flight=par.in_flight(),
+        activation_checkpointing=activation_checkpointing,
+    )
 
 
-def evaluate(job: Job, device: Device, par: Parallelism, *, mfu: float, headroom: float,
-             activation_checkpointing: bool | None = None) -> dict[str, Any]:
+def evaluate(
+    job: Job,
+    device: Device,
+    par: Parallelism,
+    *,
+    mfu: float,
+    headroom: float,
+    activation_checkpointing: bool | None = None,
+) -> dict[str, Any]:
     """The hand model's numbers for one layout: memory per rank, communication, bubble, speed."""
     ac = job.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     par.check(job.args, job.seq_len, job.world_size)
@@ -59,19 +74,36 @@ def evaluate(job: Job, device: Device, par: Parallelism, *, mfu: float, headroom
     memory = estimate(workload)
     usable = usable_bytes(device, job.world_size, headroom)
     comm = communication(job.args, par, job.micro_batch, job.seq_len, workload.dtype)
-    timing = step_time(job.args, par, comm, micro_batch=job.micro_batch, seq_len=job.seq_len,
-                       flops_per_token=flops_per_token(job.args, job.seq_len),
-                       peak_tflops=device.peak_tflops, mfu=mfu, intra_gbps=device.intra_node_gbps,
-                       inter_gbps=device.inter_node_gbps, recompute=ac)
+    timing = step_time(
+        job.args,
+        par,
+        comm,
+        micro_batch=job.micro_batch,
+        seq_len=job.seq_len,
+        flops_per_token=flops_per_token(job.args, job.seq_len),
+        peak_tflops=device.peak_tflops,
+        mfu=mfu,
+        intra_gbps=device.intra_node_gbps,
+        inter_gbps=device.inter_node_gbps,
+        recompute=ac,
+    )
     return {
-        "layout": dataclasses.asdict(par), "describe": par.describe(), "activation_checkpointing": ac,
-        "dtype": workload.dtype, "stage_layers": workload.args.n_layers, "in_flight": par.in_flight(),
+        "layout": dataclasses.asdict(par),
+        "describe": par.describe(),
+        "activation_checkpointing": ac,
+        "dtype": workload.dtype,
+        "stage_layers": workload.args.n_layers,
+        "in_flight": par.in_flight(),
         "bubble_fraction": par.bubble_fraction(),
         "memory": {**memory.as_dict(), "peak_gib": memory.peak_bytes / GIB},
-        "peak_gib": memory.peak_bytes / GIB, "usable_gib_per_rank": usable / GIB,
-        "fits": memory.peak_bytes <= usable, "memory_source": "hand",
-        "communication_bytes": comm, "communication_gib": sum(comm.values()) / GIB,
-        "timing": timing, "tokens_per_sec": timing["tokens_per_sec"],
+        "peak_gib": memory.peak_bytes / GIB,
+        "usable_gib_per_rank": usable / GIB,
+        "fits": memory.peak_bytes <= usable,
+        "memory_source": "hand",
+        "communication_bytes": comm,
+        "communication_gib": sum(comm.values()) / GIB,
+        "timing": timing,
+        "tokens_per_sec": timing["tokens_per_sec"],
     }
 
 
@@ -83,9 +115,16 @@ def trace(job: Job, device: Device, par: Parallelism, row: dict[str, Any]) -> di
     if par.dp_replicate > 1 and par.shard_degree == 1 and par.tp == 1:  # one stage of it is plain DDP
         return {**row, "traced": None, "trace_skipped": "DDP layouts are not traced (real C++ buckets)"}
     workload = layout_workload(job, device, par, row["activation_checkpointing"])
-    traced = trace_step(workload.args, dp_replicate=par.dp_replicate, dp_shard=par.shard_degree, tp=par.tp,
-                        micro_batch=job.micro_batch, seq_len=workload.seq_len,
-                        activation_checkpointing=workload.activation_checkpointing, dtype=workload.dtype)
+    traced = trace_step(
+        workload.args,
+        dp_replicate=par.dp_replicate,
+        dp_shard=par.shard_degree,
+        tp=par.tp,
+        micro_batch=job.micro_batch,
+        seq_len=workload.seq_len,
+        activation_checkpointing=workload.activation_checkpointing,
+        dtype=workload.dtype,
+    )
     # One micro-batch is traced; the others (a pipeline stage's in flight, gradient accumulation's
     # unsharded gradients) add what the hand model says they add.
     one = estimate(dataclasses.replace(workload, in_flight=1, accumulation=1))
@@ -97,14 +136,24 @@ def trace(job: Job, device: Device, par: Parallelism, row: dict[str, Any]) -> di
     optimizer = one.peak_bytes if one.peak_at == "optimizer step" else 0
     peak = max(measured, optimizer) + extra
     usable = row["usable_gib_per_rank"] * GIB
-    return {**row, "fits": peak <= usable, "peak_gib": peak / GIB, "memory_source": "traced",
-            "traced": {"peak_gib": max(measured, optimizer) / GIB, "raw_peak_gib": traced.peak_bytes / GIB, "at_peak_gib": {k: v / GIB for k, v in traced.at_peak.items()},
-                       "activations_gib": traced.activations / GIB, "seconds": traced.seconds,
-                       "through_backward_gib": traced.through_backward_bytes / GIB,
-                       "hand_peak_gib": one.peak_bytes / GIB,
-                       "hand_over_traced": one.peak_bytes / max(measured, optimizer),
-                       "optimizer_step_from_hand": optimizer > measured,
-                       "more_micro_batches_gib": extra / GIB}}
+    return {
+        **row,
+        "fits": peak <= usable,
+        "peak_gib": peak / GIB,
+        "memory_source": "traced",
+        "traced": {
+            "peak_gib": max(measured, optimizer) / GIB,
+            "raw_peak_gib": traced.peak_bytes / GIB,
+            "at_peak_gib": {k: v / GIB for k, v in traced.at_peak.items()},
+            "activations_gib": traced.activations / GIB,
+            "seconds": traced.seconds,
+            "through_backward_gib": traced.through_backward_bytes / GIB,
+            "hand_peak_gib": one.peak_bytes / GIB,
+            "hand_over_traced": one.peak_bytes / max(measured, optimizer),
+            "optimizer_step_from_hand": optimizer > measured,
+            "more_micro_batches_gib": extra / GIB,
+        },
+    }
 
 
 def candidates(job: Job) -> list[Parallelism]:
@@ -135,8 +184,9 @@ def candidates(job: Job) -> list[Parallelism]:
     return out
 
 
-def given_layout(job: Job, *, dp_replicate: int | None, dp_shard: int | None, tp: int | None,
-                 pp: int | None) -> Parallelism:
+def given_layout(
+    job: Job, *, dp_replicate: int | None, dp_shard: int | None, tp: int | None, pp: int | None
+) -> Parallelism:
     """The layout of the flags, the unnamed data-parallel degree taking the rest of the ranks."""
     tp, pp, cp, world = tp or 1, pp or 1, job.cp, job.world_size
     if min(tp, pp, cp, dp_replicate or 1, dp_shard or 1) < 1:
@@ -148,14 +198,18 @@ def given_layout(job: Job, *, dp_replicate: int | None, dp_shard: int | None, tp
     replicate = dp_replicate or (rest // dp_shard if dp_shard and rest % dp_shard == 0 else 1)
     shard = dp_shard or (rest // replicate if rest % replicate == 0 else 0)
     if replicate * shard != rest:
-        raise PhalanxError(f"--dp-replicate {replicate} x --dp-shard {shard or '?'} x pp x cp x tp does not multiply "
-                           f"to --gpus {world}")
+        raise PhalanxError(
+            f"--dp-replicate {replicate} x --dp-shard {shard or '?'} x pp x cp x tp does not multiply to --gpus {world}"
+        )
     m = job.pp_microbatches if pp > 1 and job.pp_microbatches else microbatches(job, replicate * shard)
     if not m:
-        raise PhalanxError(f"the global batch of {global_batch(job)} sequences does not split into micro-batches of "
-                           f"{job.micro_batch} over {replicate * shard} data-parallel ranks")
-    par = Parallelism(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp, schedule=job.pp_schedule,
-                      microbatches=m)
+        raise PhalanxError(
+            f"the global batch of {global_batch(job)} sequences does not split into micro-batches of "
+            f"{job.micro_batch} over {replicate * shard} data-parallel ranks"
+        )
+    par = Parallelism(
+        dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp, schedule=job.pp_schedule, microbatches=m
+    )
     par.check(job.args, job.seq_len, world)
     return par
 
@@ -184,8 +238,10 @@ def propose(job: Job, device: Device, *, mfu: float, headroom: float, do_trace: 
             row = with_ac if with_ac["fits"] else row
         rows.append(row)
     if not rows:
-        raise PhalanxError(f"no layout of {job.world_size} ranks suits the model (tp must divide the heads, KV "
-                           f"heads, FFN and vocabulary; pp at most its {job.args.n_layers} layers)")
+        raise PhalanxError(
+            f"no layout of {job.world_size} ranks suits the model (tp must divide the heads, KV "
+            f"heads, FFN and vocabulary; pp at most its {job.args.n_layers} layers)"
+        )
     order = _ranked(rows)
     chosen, traced = None, 0
     for i in order:
@@ -204,22 +260,36 @@ def propose(job: Job, device: Device, *, mfu: float, headroom: float, do_trace: 
     for i, row in enumerate(rows):
         if i != chosen and "why_not" not in row:
             row["why_not"] = _why_not(row, rows[chosen] if chosen is not None else None)
-    return {"job": _job_dict(job), "device": device.name, "mfu": mfu, "headroom": headroom,
-            "chosen": rows[chosen] if chosen is not None else None,
-            "candidates": [rows[i] for i in order],
-            "reason": _reason(rows[chosen], rows) if chosen is not None else
-            "no candidate fits: more devices, a shorter sequence or a smaller micro batch"}
+    return {
+        "job": _job_dict(job),
+        "device": device.name,
+        "mfu": mfu,
+        "headroom": headroom,
+        "chosen": rows[chosen] if chosen is not None else None,
+        "candidates": [rows[i] for i in order],
+        "reason": _reason(rows[chosen], rows)
+        if chosen is not None
+        else "no candidate fits: more devices, a shorter sequence or a smaller micro batch",
+    }
 
 
-def plan_layout(job: Job, device: Device, par: Parallelism, *, mfu: float, headroom: float,
-                do_trace: bool = True) -> dict[str, Any]:
+def plan_layout(
+    job: Job, device: Device, par: Parallelism, *, mfu: float, headroom: float, do_trace: bool = True
+) -> dict[str, Any]:
     """The report for the layout the user named."""
     _check_fractions(mfu, headroom)
     row = evaluate(job, device, par, mfu=mfu, headroom=headroom)
     if do_trace:
         row = trace(job, device, par, row)
-    return {"job": _job_dict(job), "device": device.name, "mfu": mfu, "headroom": headroom, "chosen": row,
-            "candidates": [row], "reason": "the layout given"}
+    return {
+        "job": _job_dict(job),
+        "device": device.name,
+        "mfu": mfu,
+        "headroom": headroom,
+        "chosen": row,
+        "candidates": [row],
+        "reason": "the layout given",
+    }
 
 
 def _ranked(rows: list[dict[str, Any]]) -> list[int]:
@@ -230,8 +300,14 @@ def _ranked(rows: list[dict[str, Any]]) -> list[int]:
     def key(i: int):
         r = rows[i]
         near = r["fits"] and r["tokens_per_sec"] >= (1 - TIE) * best
-        return (not r["fits"], not near, r["layout"]["tp"] if near else 0, r["layout"]["pp"] if near else 0,
-                -r["tokens_per_sec"], r["peak_gib"])
+        return (
+            not r["fits"],
+            not near,
+            r["layout"]["tp"] if near else 0,
+            r["layout"]["pp"] if near else 0,
+            -r["tokens_per_sec"],
+            r["peak_gib"],
+        )
 
     return sorted(range(len(rows)), key=key)
 
@@ -250,12 +326,19 @@ def _why_not(row: dict[str, Any], chosen: dict[str, Any] | None) -> str:
 def _reason(chosen: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     fitting = sum(r["fits"] for r in rows)
     layout = chosen["layout"]
-    parts = [f"{len(rows)} layouts considered, {fitting} fit",
-             (f"{chosen['describe']} fits ({chosen['peak_gib']:.1f} of {chosen['usable_gib_per_rank']:.1f} GiB, "
-              f"{chosen['memory_source']})")]
+    parts = [
+        f"{len(rows)} layouts considered, {fitting} fit",
+        (
+            f"{chosen['describe']} fits ({chosen['peak_gib']:.1f} of {chosen['usable_gib_per_rank']:.1f} GiB, "
+            f"{chosen['memory_source']})"
+        ),
+    ]
     parts.append(f"tp={layout['tp']} stays inside a node of {GPUS_PER_NODE}" if layout["tp"] > 1 else "no TP needed")
-    parts.append(f"{layout['pp']} pipeline stages, bubble {chosen['bubble_fraction']:.1%}" if layout["pp"] > 1
-                 else "no pipeline bubble")
+    parts.append(
+        f"{layout['pp']} pipeline stages, bubble {chosen['bubble_fraction']:.1%}"
+        if layout["pp"] > 1
+        else "no pipeline bubble"
+    )
     if chosen["activation_checkpointing"]:
         parts.append("activation checkpointing on (nothing as fast fits without)")
     parts.append(f"best projected {chosen['tokens_per_sec']:,.0f} tokens/s")
@@ -263,6 +346,12 @@ def _reason(chosen: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def _job_dict(job: Job) -> dict[str, Any]:
-    return {"source": job.name, "params": count_params(job.args), "devices": job.world_size,
-            "micro_batch": job.micro_batch, "seq_len": job.seq_len, "accumulation": job.accumulation,
-            "activation_checkpointing": job.activation_checkpointing}
+    return {
+        "source": job.name,
+        "params": count_params(job.args),
+        "devices": job.world_size,
+        "micro_batch": job.micro_batch,
+        "seq_len": job.seq_len,
+        "accumulation": job.accumulation,
+        "activation_checkpointing": job.activation_checkpointing,
+    }

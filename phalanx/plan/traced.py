@@ -32,12 +32,19 @@ from phalanx.models.llama import ModelArgs
 
 # FSDPMemTracker's kinds, grouped as the hand model reports them (memory.CATEGORIES).
 _KIND_TO_CATEGORY = {
-    "Sharded Param": "parameters", "Buffer": "parameters", "Parameter": "parameters",
-    "Sharded Grad": "gradients", "Gradient": "gradients",
-    "OptState": "optimizer states", "Optstate": "optimizer states",
+    "Sharded Param": "parameters",
+    "Buffer": "parameters",
+    "Parameter": "parameters",
+    "Sharded Grad": "gradients",
+    "Gradient": "gradients",
+    "OptState": "optimizer states",
+    "Optstate": "optimizer states",
     "Unsharded Param": "gathered/cast weights",
-    "Activation": "activations", "Inputs": "activations",
-    "Unsharded Grad": "temporaries", "Temp": "temporaries", "All Gather": "temporaries",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Unsharded Grad": "temporaries",
+    "Temp": "temporaries",
+    "All Gather": "temporaries",
     "Reduce Scatter": "temporaries",
 }
 
@@ -68,8 +75,17 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def trace_step(args: ModelArgs, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, micro_batch: int,
-               seq_len: int, activation_checkpointing: bool = False, dtype: str = "bfloat16") -> TracedStep:
+def trace_step(
+    args: ModelArgs,
+    *,
+    dp_replicate: int = 1,
+    dp_shard: int = 1,
+    tp: int = 1,
+    micro_batch: int,
+    seq_len: int,
+    activation_checkpointing: bool = False,
+    dtype: str = "bfloat16",
+) -> TracedStep:
     """The peak of one rank over one steady-state step (AdamW's moments exist) of
     `args` laid out as dp_replicate x dp_shard x tp (no pipeline, no context parallelism: the caller
     passes one stage's layers and each rank's slice of the sequence)."""
@@ -83,8 +99,10 @@ def trace_step(args: ModelArgs, *, dp_replicate: int = 1, dp_shard: int = 1, tp:
 
     layout = Layout(dp_replicate, dp_shard, tp)
     if layout.dp_replicate > 1 and not uses_fsdp(layout):
-        raise PhalanxError("the traced plan covers FSDP/HSDP and TP layouts; DDP keeps real gradient buckets "
-                           "in C++, which a fake tensor cannot stand in for")
+        raise PhalanxError(
+            "the traced plan covers FSDP/HSDP and TP layouts; DDP keeps real gradient buckets "
+            "in C++, which a fake tensor cannot stand in for"
+        )
     started = time.perf_counter()
     args = dataclasses.replace(args, max_seq_len=max(seq_len, 1))  # the RoPE tables the run would build
     cdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
@@ -92,19 +110,31 @@ def trace_step(args: ModelArgs, *, dp_replicate: int = 1, dp_shard: int = 1, tp:
         mesh = build_mesh(layout, "cpu")
         # Built on meta outside the fake mode: the mesh's own bookkeeping (coordinates, FSDP x TP
         # submeshes) needs real integer tensors. Nothing here allocates parameter memory.
-        model = build_parallel_model(args, layout, mesh, torch.device("meta"), seed=0,
-                                     activation_checkpointing=activation_checkpointing, compile=False, dtype=cdtype)
+        model = build_parallel_model(
+            args,
+            layout,
+            mesh,
+            torch.device("meta"),
+            seed=0,
+            activation_checkpointing=activation_checkpointing,
+            compile=False,
+            dtype=cdtype,
+        )
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             model.init_rope()
             batch = micro_batch * layout.dp
-            optimizer = build_optimizer(model, TrainSection(seq_len=seq_len, micro_batch_size=micro_batch,
-                                                            global_batch_size=batch))
+            optimizer = build_optimizer(
+                model, TrainSection(seq_len=seq_len, micro_batch_size=micro_batch, global_batch_size=batch)
+            )
             params = [p for p in model.parameters() if p.requires_grad]
             fsdp = uses_fsdp(layout) and layout.world_size > 1
             # As the trainer: autocast only where FSDP does not already cast the weights.
-            autocast = (torch.autocast("cpu", dtype=cdtype) if cdtype != torch.float32 and not fsdp
-                        else contextlib.nullcontext())
+            autocast = (
+                torch.autocast("cpu", dtype=cdtype)
+                if cdtype != torch.float32 and not fsdp
+                else contextlib.nullcontext()
+            )
             # The steady state has AdamW's moments: make them with one step on zero gradients, outside
             # the tracker (a first step's lazily created states confuse its categories), then trace a step.
             for p in params:

@@ -51,8 +51,17 @@ def halves(group: list[int], node_of: dict[int, int]) -> tuple[list[int], list[i
     return group[:middle], group[middle:]
 
 
-def find_slow_ranks(timer: Timer, rank: int, world: int, node_of: dict[int, int], nbytes: int,
-                    warmup: int, samples: int, reps: int, threshold: float) -> Bisection:
+def find_slow_ranks(
+    timer: Timer,
+    rank: int,
+    world: int,
+    node_of: dict[int, int],
+    nbytes: int,
+    warmup: int,
+    samples: int,
+    reps: int,
+    threshold: float,
+) -> Bisection:
     """Bisect the world group for a place that slows collectives by `threshold` times or more."""
     result = Bisection()
     group = list(range(world))
@@ -78,20 +87,29 @@ def find_slow_ranks(timer: Timer, rank: int, world: int, node_of: dict[int, int]
         group, result.suspects, result.ratio = slow, slow, ratio
 
 
-def _compare_halves(timer: Timer, rank: int, world: int, a: list[int], b: list[int], nbytes: int, warmup: int,
-                    samples: int, reps: int) -> dict[str, Any]:
+def _compare_halves(
+    timer: Timer, rank: int, world: int, a: list[int], b: list[int], nbytes: int, warmup: int, samples: int, reps: int
+) -> dict[str, Any]:
     every = _gather(_probe_halves(timer, rank, a, b, nbytes, warmup, samples, reps), world)
     bw = {}
     for name, half in (("a", a), ("b", b)):
         size = message_bytes("all_reduce", nbytes, len(half))
         bw[name] = busbw_gbps("all_reduce", size, max(every[r] for r in half), len(half))
     slow = a if bw["a"] < bw["b"] else b
-    return {"a": a, "b": b, "a_busbw_gbps": bw["a"], "b_busbw_gbps": bw["b"], "slow": slow,
-            "ratio": max(bw.values()) / min(bw.values()), "seconds": {r: every[r] for r in a + b}}
+    return {
+        "a": a,
+        "b": b,
+        "a_busbw_gbps": bw["a"],
+        "b_busbw_gbps": bw["b"],
+        "slow": slow,
+        "ratio": max(bw.values()) / min(bw.values()),
+        "seconds": {r: every[r] for r in a + b},
+    }
 
 
-def _probe_halves(timer: Timer, rank: int, a: list[int], b: list[int], nbytes: int, warmup: int,
-                  samples: int, reps: int) -> float | None:
+def _probe_halves(
+    timer: Timer, rank: int, a: list[int], b: list[int], nbytes: int, warmup: int, samples: int, reps: int
+) -> float | None:
     """This rank's median all-reduce time inside its half; the halves take turns (alternating which
     goes first), so each is timed alone under the same background load."""
     group_a, group_b = dist.new_group(a), dist.new_group(b)  # every rank creates both, in this order
@@ -102,7 +120,7 @@ def _probe_halves(timer: Timer, rank: int, a: list[int], b: list[int], nbytes: i
         op = collective_op("all_reduce", nbytes, timer.device, (group_a, group_b)[half], len(members))
     times, previous = [], None
     for i in range(warmup + samples):
-        for turn in ((0, 1) if i % 2 == 0 else (1, 0)):
+        for turn in (0, 1) if i % 2 == 0 else (1, 0):
             dist.barrier()
             if half == turn:
                 previous = timer.sample(op, reps, collective=True, previous=previous)
@@ -111,8 +129,18 @@ def _probe_halves(timer: Timer, rank: int, a: list[int], b: list[int], nbytes: i
     return statistics.median(times) if times else None
 
 
-def _leaf(timer: Timer, rank: int, world: int, group: list[int], nbytes: int, warmup: int, samples: int,
-          reps: int, threshold: float, result: Bisection) -> None:
+def _leaf(
+    timer: Timer,
+    rank: int,
+    world: int,
+    group: list[int],
+    nbytes: int,
+    warmup: int,
+    samples: int,
+    reps: int,
+    threshold: float,
+    result: Bisection,
+) -> None:
     """Within a small group, the rank its peers wait for (confirmed by a second round, as halves are)."""
     sub = dist.new_group(group) if len(group) < world else None
     late, lateness, seconds = _lateness(timer, rank, world, group, sub, nbytes, warmup, samples, reps)
@@ -127,8 +155,17 @@ def _leaf(timer: Timer, rank: int, world: int, group: list[int], nbytes: int, wa
         result.ratio = lateness  # the whole job is this small group and nobody is late: even
 
 
-def _lateness(timer: Timer, rank: int, world: int, group: list[int], sub: dist.ProcessGroup | None, nbytes: int,
-              warmup: int, samples: int, reps: int) -> tuple[int, float, dict[int, float]]:
+def _lateness(
+    timer: Timer,
+    rank: int,
+    world: int,
+    group: list[int],
+    sub: dist.ProcessGroup | None,
+    nbytes: int,
+    warmup: int,
+    samples: int,
+    reps: int,
+) -> tuple[int, float, dict[int, float]]:
     """The rank that spends least time inside the group's all-reduce, and how many times longer its
     peers spend there (the median peer)."""
     seconds = None

@@ -46,8 +46,9 @@ def message_bytes(op: str, nbytes: int, n: int) -> int:
     return max(unit, nbytes // unit * unit)
 
 
-def collective_op(op: str, nbytes: int, device: torch.device, group: dist.ProcessGroup | None,
-                  n: int) -> Callable[[], object]:
+def collective_op(
+    op: str, nbytes: int, device: torch.device, group: dist.ProcessGroup | None, n: int
+) -> Callable[[], object]:
     """A closure running one `op` of `nbytes` (as message_bytes gives it) over `group`."""
     count = message_bytes(op, nbytes, n) // ELEMENT.itemsize
     if op == "all_reduce":
@@ -59,8 +60,16 @@ def collective_op(op: str, nbytes: int, device: torch.device, group: dist.Proces
     return lambda: gather(out, piece, group=group)
 
 
-def time_collective(timer: Timer, op: str, nbytes: int, group: dist.ProcessGroup | None, n: int,
-                    warmup: int, samples: int, reps: int = 1) -> float:
+def time_collective(
+    timer: Timer,
+    op: str,
+    nbytes: int,
+    group: dist.ProcessGroup | None,
+    n: int,
+    warmup: int,
+    samples: int,
+    reps: int = 1,
+) -> float:
     """This rank's median seconds for one `op` (a drill's delay shows in its peers' times, not its own)."""
     run = collective_op(op, nbytes, timer.device, group, n)
     return timer.median(run, warmup, samples, reps, collective=True)

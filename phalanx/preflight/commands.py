@@ -16,24 +16,35 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def preflight(
         args: Optional[list[str]] = ArgsArg,
-        nproc: Optional[int] = typer.Option(None, "--nproc", min=1,
-                                            help="Ranks on this node (default: one per GPU, or 1 on CPU)."),
+        nproc: Optional[int] = typer.Option(
+            None, "--nproc", min=1, help="Ranks on this node (default: one per GPU, or 1 on CPU)."
+        ),
         nnodes: str = typer.Option("1", "--nnodes", help="Number of nodes, or MIN:MAX, as torchrun takes it."),
         node_rank: int = typer.Option(0, "--node-rank", min=0, help="This node's rank (multi-node)."),
         rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT shared by all nodes."),
         rdzv_conf: str = typer.Option("", "--rdzv-conf", help="Rendezvous options, e.g. last_call_timeout=5."),
         quick: bool = typer.Option(False, "--quick", help="Smaller measurements: under a minute per node."),
         threshold: Optional[list[str]] = typer.Option(
-            None, "--threshold", metavar="CHECK[.warn]=VALUE",
-            help="Override a check's failure (or .warn warning) limit; repeatable."),
+            None,
+            "--threshold",
+            metavar="CHECK[.warn]=VALUE",
+            help="Override a check's failure (or .warn warning) limit; repeatable.",
+        ),
         inject_slow_rank: Optional[int] = typer.Option(
-            None, "--inject-slow-rank", min=0, metavar="RANK",
-            help="Drill: make this rank slow (also PHALANX_PREFLIGHT_SLOW_RANK)."),
+            None,
+            "--inject-slow-rank",
+            min=0,
+            metavar="RANK",
+            help="Drill: make this rank slow (also PHALANX_PREFLIGHT_SLOW_RANK).",
+        ),
         slow_factor: Optional[float] = typer.Option(
-            None, "--slow-factor", help="How many times slower the drill's rank is (default 4, or "
-                                        "PHALANX_PREFLIGHT_SLOW_FACTOR)"),
-        clear: Optional[str] = typer.Option(None, "--clear", metavar="NODE",
-                                            help="Release NODE from quarantine in the run store; runs no checks."),
+            None,
+            "--slow-factor",
+            help="How many times slower the drill's rank is (default 4, or PHALANX_PREFLIGHT_SLOW_FACTOR)",
+        ),
+        clear: Optional[str] = typer.Option(
+            None, "--clear", metavar="NODE", help="Release NODE from quarantine in the run store; runs no checks."
+        ),
         json_out: bool = JsonOpt,
     ) -> None:
         """Check every node and rank before a job: inventory, health, compute, memory, disk, interconnect.
@@ -53,13 +64,34 @@ def register(app: typer.Typer) -> None:
         if clear is not None:
             _clear(config, clear, json_out)
             return
-        _preflight(config, nproc, nnodes, node_rank, rdzv_endpoint, rdzv_conf, quick, threshold or [],
-                   inject_slow_rank, slow_factor, json_out)
+        _preflight(
+            config,
+            nproc,
+            nnodes,
+            node_rank,
+            rdzv_endpoint,
+            rdzv_conf,
+            quick,
+            threshold or [],
+            inject_slow_rank,
+            slow_factor,
+            json_out,
+        )
 
 
-def _preflight(config: Any, nproc: int | None, nnodes: str, node_rank: int, rdzv_endpoint: str | None,
-               rdzv_conf: str, quick: bool, threshold: list[str], inject_slow_rank: int | None,
-               slow_factor: float | None, json_out: bool) -> None:
+def _preflight(
+    config: Any,
+    nproc: int | None,
+    nnodes: str,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    rdzv_conf: str,
+    quick: bool,
+    threshold: list[str],
+    inject_slow_rank: int | None,
+    slow_factor: float | None,
+    json_out: bool,
+) -> None:
     from phalanx.errors import PhalanxError, PreflightFailedError
     from phalanx.launch.local import LaunchSpec
     from phalanx.preflight.run import run_preflight
@@ -131,19 +163,26 @@ def _print_report(report: Any) -> None:
 
     console = Console()
     mode = "quick" if report.quick else "full"
-    table = Table(title=f"preflight ({mode}): {report.world_size} rank(s) on {len(report.nodes)} node(s), "
-                        f"{report.device_type}, {report.backend}, {report.seconds:.1f} s")
+    table = Table(
+        title=f"preflight ({mode}): {report.world_size} rank(s) on {len(report.nodes)} node(s), "
+        f"{report.device_type}, {report.backend}, {report.seconds:.1f} s"
+    )
     for column in ("check", "rank/node", "value", "expected", "status", "note"):
         table.add_column(column, overflow="fold")
     for c in report.checks:
         value = "-" if c.value is None else (f"{c.value:,.4g}" if isinstance(c.value, (int, float)) else str(c.value))
-        table.add_row(c.check, c.where, f"{value} {c.unit}".strip(), c.expected,
-                      Text(c.status, style=STATUS_STYLE.get(c.status, "")), c.message)
+        table.add_row(
+            c.check,
+            c.where,
+            f"{value} {c.unit}".strip(),
+            c.expected,
+            Text(c.status, style=STATUS_STYLE.get(c.status, "")),
+            c.message,
+        )
     console.print(table)
     if report.slow_ranks.get("ranks"):
         nodes = ", ".join(report.slow_ranks["nodes"])
-        console.print(f"slow: rank(s) {report.slow_ranks['ranks']} on {nodes} "
-                      f"({report.slow_ranks['ratio']:.2f}x)")
+        console.print(f"slow: rank(s) {report.slow_ranks['ranks']} on {nodes} ({report.slow_ranks['ratio']:.2f}x)")
     for node in report.quarantined:
         console.print(Text(f"quarantined {node}: {report.failed_nodes[node]}", style="red"))
     for note in report.notes:

@@ -17,10 +17,15 @@ from phalanx.preflight.report import CheckResult, PreflightReport
 from phalanx.preflight.thresholds import UNITS, Limit, device_limits, device_type
 
 # health.py's field -> the check grading it, and how a node's devices combine into one figure
-HEALTH_CHECKS = {"temperature_c": ("gpu_temperature_c", max), "power_cap_fraction": ("power_cap_fraction", min),
-                 "ecc_correctable": ("ecc_correctable", sum), "ecc_uncorrectable": ("ecc_uncorrectable", sum),
-                 "retired_pages": ("retired_pages", sum), "row_remap_pending": ("row_remap_pending", sum),
-                 "row_remap_failed": ("row_remap_failed", sum)}
+HEALTH_CHECKS = {
+    "temperature_c": ("gpu_temperature_c", max),
+    "power_cap_fraction": ("power_cap_fraction", min),
+    "ecc_correctable": ("ecc_correctable", sum),
+    "ecc_uncorrectable": ("ecc_uncorrectable", sum),
+    "retired_pages": ("retired_pages", sum),
+    "row_remap_pending": ("row_remap_pending", sum),
+    "row_remap_failed": ("row_remap_failed", sum),
+}
 
 
 def evaluate(raw: dict[str, Any], overrides: dict[str, float] | None = None) -> PreflightReport:
@@ -32,10 +37,24 @@ def evaluate(raw: dict[str, Any], overrides: dict[str, float] | None = None) -> 
     checks += _inventory(nodes)
     for node, info in nodes.items():
         limits = rank_limits[info["ranks"][0]]
-        checks.append(_grade("disk_write_mbps", info.get("disk_write_mbps"), limits, node=node,
-                             detail=f"at {info['inventory']['runs_dir']}"))
-        checks.append(_grade("disk_free_gib", info["inventory"]["disk_free_gib"], limits, node=node,
-                             detail=f"at {info['inventory']['runs_dir']}"))
+        checks.append(
+            _grade(
+                "disk_write_mbps",
+                info.get("disk_write_mbps"),
+                limits,
+                node=node,
+                detail=f"at {info['inventory']['runs_dir']}",
+            )
+        )
+        checks.append(
+            _grade(
+                "disk_free_gib",
+                info["inventory"]["disk_free_gib"],
+                limits,
+                node=node,
+                detail=f"at {info['inventory']['runs_dir']}",
+            )
+        )
         checks += _health(node, info["health"], limits)
     checks += _ranks(raw["ranks"], rank_limits, gpu)
     suspects = _suspects(raw)
@@ -43,27 +62,51 @@ def evaluate(raw: dict[str, Any], overrides: dict[str, float] | None = None) -> 
     checks += _slow_ranks(raw, job_limits, suspects)
     suspect_nodes = sorted({r["node"] for r in raw["ranks"] if r["rank"] in suspects})
     failed_nodes, cluster = _blame(checks, list(nodes), suspect_nodes)
-    return PreflightReport(checks=checks, failed_nodes=failed_nodes, cluster_failures=cluster,
-                           nodes={n: {key: i[key] for key in ("host", "node_rank", "launcher", "ranks", "inventory",
-                                                              "health")} for n, i in nodes.items()},
-                           world_size=raw["world_size"], backend=raw["backend"],
-                           device_type=device_type(raw["ranks"][0]["device_name"], gpu), quick=raw["quick"],
-                           seconds=raw["seconds"], slow_ranks=_describe_suspects(raw, suspects))
+    return PreflightReport(
+        checks=checks,
+        failed_nodes=failed_nodes,
+        cluster_failures=cluster,
+        nodes={
+            n: {key: i[key] for key in ("host", "node_rank", "launcher", "ranks", "inventory", "health")}
+            for n, i in nodes.items()
+        },
+        world_size=raw["world_size"],
+        backend=raw["backend"],
+        device_type=device_type(raw["ranks"][0]["device_name"], gpu),
+        quick=raw["quick"],
+        seconds=raw["seconds"],
+        slow_ranks=_describe_suspects(raw, suspects),
+    )
 
 
-def _grade(check: str, value: float | None, limits: dict[str, Limit], node: str | None = None,
-           rank: int | None = None, detail: str = "") -> CheckResult:
+def _grade(
+    check: str,
+    value: float | None,
+    limits: dict[str, Limit],
+    node: str | None = None,
+    rank: int | None = None,
+    detail: str = "",
+) -> CheckResult:
     limit = limits.get(check)
     if limit is None:  # measured, but this device type has no limit for it (an unknown GPU)
-        return CheckResult(check, "info" if value is not None else "skip", value, UNITS.get(check, ""), node=node,
-                           rank=rank, message=detail)
+        return CheckResult(
+            check,
+            "info" if value is not None else "skip",
+            value,
+            UNITS.get(check, ""),
+            node=node,
+            rank=rank,
+            message=detail,
+        )
     status = limit.status(value)
     message = detail
     if status in ("warn", "fail"):
         bound = limit.fail if status == "fail" else limit.warn
         side = "below" if limit.higher_is_better else "above"
-        message = f"{_fmt(value)} {limit.unit} is {side} the {'failure' if status == 'fail' else 'warning'} " \
-                  f"limit {_fmt(bound)}" + (f" ({detail})" if detail else "")
+        message = (
+            f"{_fmt(value)} {limit.unit} is {side} the {'failure' if status == 'fail' else 'warning'} "
+            f"limit {_fmt(bound)}" + (f" ({detail})" if detail else "")
+        )
     elif status == "skip":
         message = detail or "not measured"
     return CheckResult(check, status, value, limit.unit, limit.describe(), node, rank, message)
@@ -76,16 +119,34 @@ def _inventory(nodes: dict[str, dict[str, Any]]) -> list[CheckResult]:
         only = next(iter(inventories.values()))
         runtime = f"hip {only['hip']}" if only.get("hip") else f"cuda {only['cuda']}" if only.get("cuda") else None
         devices = only["accelerator"] if only["accelerator"] != "none" else "no GPU"
-        summary = ", ".join(filter(None, (f"torch {only['torch']}", runtime, devices,
-                                          f"{only['cpu_threads']} CPU threads", f"{only['ram_gib']:.0f} GiB RAM")))
+        summary = ", ".join(
+            filter(
+                None,
+                (
+                    f"torch {only['torch']}",
+                    runtime,
+                    devices,
+                    f"{only['cpu_threads']} CPU threads",
+                    f"{only['ram_gib']:.0f} GiB RAM",
+                ),
+            )
+        )
         return [CheckResult("inventory_match", "pass", f"{len(nodes)} node(s) agree", message=summary)]
     rows = []
     for m in mismatches:
         values = ", ".join(f"{node}={value}" for node, value in m["values"].items())
         blamed = m["odd"] or [None]
         for node in blamed:
-            rows.append(CheckResult("inventory_match", "fail", m["field"], expected="equal on every node", node=node,
-                                    message=f"{m['field']} differs between nodes: {values}"))
+            rows.append(
+                CheckResult(
+                    "inventory_match",
+                    "fail",
+                    m["field"],
+                    expected="equal on every node",
+                    node=node,
+                    message=f"{m['field']} differs between nodes: {values}",
+                )
+            )
     return rows
 
 
@@ -103,8 +164,11 @@ def _health(node: str, health: dict[str, Any], limits: dict[str, Limit]) -> list
         rows.append(_grade(check, value, limits, node=node, detail=f"{detail}, via {health['source']}"))
     power = [d["power_w"] for d in health["devices"] if d.get("power_w") is not None]
     if power:
-        rows.append(CheckResult("gpu_power_w", "info", max(power), "W", node=node,
-                                message=f"highest of {len(power)} GPUs at rest"))
+        rows.append(
+            CheckResult(
+                "gpu_power_w", "info", max(power), "W", node=node, message=f"highest of {len(power)} GPUs at rest"
+            )
+        )
     return rows
 
 
@@ -119,8 +183,16 @@ def _ranks(ranks: list[dict[str, Any]], limits: dict[int, dict[str, Limit]], gpu
         for r in ranks:
             peers = statistics.median(p[key] for p in ranks if p is not r)
             ratio = peers / r[key] if r[key] else float("inf")
-            rows.append(_grade("compute_straggler_ratio", ratio, limits[r["rank"]], node=r["node"], rank=r["rank"],
-                               detail=f"the other ranks' median {key} over this rank's"))
+            rows.append(
+                _grade(
+                    "compute_straggler_ratio",
+                    ratio,
+                    limits[r["rank"]],
+                    node=r["node"],
+                    rank=r["rank"],
+                    detail=f"the other ranks' median {key} over this rank's",
+                )
+            )
     return rows
 
 
@@ -156,8 +228,14 @@ def _slow_ranks(raw: dict[str, Any], limits: dict[str, Limit], suspects: list[in
         detail = f"rank {suspects[0]} on {node_of[suspects[0]]} slows collectives (bisection)"
     else:
         detail = f"ranks {_ranks_text(suspects)} on {', '.join(nodes)} slow collectives (bisection)"
-    row = _grade("slow_rank_ratio", bisection["ratio"], limits, node=nodes[0] if len(nodes) == 1 else None,
-                 rank=suspects[0] if len(suspects) == 1 else None, detail=detail)
+    row = _grade(
+        "slow_rank_ratio",
+        bisection["ratio"],
+        limits,
+        node=nodes[0] if len(nodes) == 1 else None,
+        rank=suspects[0] if len(suspects) == 1 else None,
+        detail=detail,
+    )
     if row.status == "pass":
         row.message = detail if suspects else row.message
     return [row]
@@ -187,8 +265,13 @@ def _describe_suspects(raw: dict[str, Any], suspects: list[int]) -> dict[str, An
     if not bisection:
         return {}
     node_of = {r["rank"]: r["node"] for r in raw["ranks"]}
-    return {"ranks": suspects, "nodes": sorted({node_of[r] for r in suspects}), "ratio": bisection["ratio"],
-            "levels": bisection["levels"], "leaf": bisection["leaf"]}
+    return {
+        "ranks": suspects,
+        "nodes": sorted({node_of[r] for r in suspects}),
+        "ratio": bisection["ratio"],
+        "levels": bisection["levels"],
+        "leaf": bisection["leaf"],
+    }
 
 
 def _ranks_text(ranks: list[int]) -> str:

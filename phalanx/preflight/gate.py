@@ -45,8 +45,10 @@ def refuse_if_quarantined(config: Config) -> None:
         # Two node agents on one host (drills) are quarantined as host#0, host#1: either keeps it out.
         if entry["node"] == host or entry["node"].startswith(f"{host}#"):
             since = datetime.datetime.fromtimestamp(entry["since"]).strftime("%Y-%m-%d %H:%M")
-            raise PreflightFailedError(f"node {entry['node']} is quarantined since {since}: {entry['reason']}; "
-                                       f"once it is fixed, `phalanx preflight --clear {entry['node']}` lets it join")
+            raise PreflightFailedError(
+                f"node {entry['node']} is quarantined since {since}: {entry['reason']}; "
+                f"once it is fixed, `phalanx preflight --clear {entry['node']}` lets it join"
+            )
 
 
 def preflight_before_training(config: Config, spec: LaunchSpec, progress: bool) -> PreflightReport:
@@ -54,8 +56,7 @@ def preflight_before_training(config: Config, spec: LaunchSpec, progress: bool) 
     from phalanx.preflight.thresholds import config_overrides
 
     overrides = config_overrides(config.safe.preflight_thresholds)
-    report = run_preflight(config, spec, quick=config.safe.preflight == "quick", overrides=overrides,
-                           progress=progress)
+    report = run_preflight(config, spec, quick=config.safe.preflight == "quick", overrides=overrides, progress=progress)
     events = JsonlEventSink(config.run_dir)
     if not report.passed:
         reason = report.failure_line()
@@ -68,21 +69,32 @@ def preflight_before_training(config: Config, spec: LaunchSpec, progress: bool) 
 def node_preflight_before_restart(config: Config, nproc: int):
     """For the node agent: a callable that preflights this node alone (its `nproc` ranks, no peers) in a
     child process and raises PreflightFailedError if it fails (the child has quarantined the node)."""
+
     def check() -> None:
         events = JsonlEventSink(config.run_dir)
-        command = [sys.executable, "-m", "phalanx", "preflight", str(RunDir(config.run_dir).config),
-                   "--nproc", str(nproc), "--json"] + (["--quick"] if config.safe.preflight == "quick" else [])
+        command = [
+            sys.executable,
+            "-m",
+            "phalanx",
+            "preflight",
+            str(RunDir(config.run_dir).config),
+            "--nproc",
+            str(nproc),
+            "--json",
+        ] + (["--quick"] if config.safe.preflight == "quick" else [])
         # Its own process group, so a timeout (a wedged GPU is what it looks for) stops its ranks too.
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 start_new_session=True)
+        child = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
             stdout, stderr = child.communicate(timeout=config.safe.startup_timeout_s)
         except subprocess.TimeoutExpired:
             _stop(child)
             reason = f"the preflight did not finish within safe.startup_timeout_s={config.safe.startup_timeout_s:g} s"
             events.emit("preflight_failed", before="restart", reason=reason)
-            raise PreflightFailedError(f"this node failed its preflight before a restart and leaves the job: "
-                                       f"{reason}") from None
+            raise PreflightFailedError(
+                f"this node failed its preflight before a restart and leaves the job: {reason}"
+            ) from None
         except BaseException:  # SIGTERM to the agent: leave no orphaned ranks on the devices
             _stop(child)
             raise
@@ -90,10 +102,13 @@ def node_preflight_before_restart(config: Config, nproc: int):
         if child.returncode == 0:
             events.emit("preflight_passed", before="restart", seconds=report.get("seconds"))
             return
-        reason = "; ".join(f"{n}: {why}" for n, why in report.get("failed_nodes", {}).items()) or \
-            (stderr.strip().splitlines() or ["the preflight did not complete"])[-1]
+        reason = (
+            "; ".join(f"{n}: {why}" for n, why in report.get("failed_nodes", {}).items())
+            or (stderr.strip().splitlines() or ["the preflight did not complete"])[-1]
+        )
         events.emit("preflight_failed", before="restart", reason=reason)
         raise PreflightFailedError(f"this node failed its preflight before a restart and leaves the job: {reason}")
+
     return check
 
 

@@ -31,8 +31,15 @@ def collect(runs_root: Path, driver: str | None) -> dict[str, Any]:
             props = torch.cuda.get_device_properties(index)
             # ROCm names the architecture (gfx942); CUDA gives a compute capability (sm_90)
             arch = getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
-            accelerators.append({"index": index, "name": props.name, "memory_gib": props.total_memory / 2**30,
-                                 "arch": arch, "compute_units": props.multi_processor_count})
+            accelerators.append(
+                {
+                    "index": index,
+                    "name": props.name,
+                    "memory_gib": props.total_memory / 2**30,
+                    "arch": arch,
+                    "compute_units": props.multi_processor_count,
+                }
+            )
     names = sorted({a["name"] for a in accelerators})
     return {
         "host": socket.gethostname(),

@@ -57,18 +57,36 @@ class PreflightReport:
 
     def for_node(self, node: str) -> dict[str, Any]:
         """What the run store keeps for one node: its own checks and the job-wide ones."""
-        return {"passed": node not in self.failed_nodes and not self.cluster_failures,
-                "reason": self.failed_nodes.get(node), "cluster_failures": self.cluster_failures,
-                "device_type": self.device_type, "world_size": self.world_size, "quick": self.quick,
-                "checks": [asdict(c) for c in self.checks if c.node in (node, None)],
-                "inventory": self.nodes.get(node, {}).get("inventory")}
+        return {
+            "passed": node not in self.failed_nodes and not self.cluster_failures,
+            "reason": self.failed_nodes.get(node),
+            "cluster_failures": self.cluster_failures,
+            "device_type": self.device_type,
+            "world_size": self.world_size,
+            "quick": self.quick,
+            "checks": [asdict(c) for c in self.checks if c.node in (node, None)],
+            "inventory": self.nodes.get(node, {}).get("inventory"),
+        }
 
     def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "node": self.node, "warnings": self.warnings, "failed_nodes": self.failed_nodes,
-                "cluster_failures": self.cluster_failures, "world_size": self.world_size, "backend": self.backend,
-                "device_type": self.device_type, "quick": self.quick, "seconds": self.seconds,
-                "slow_ranks": self.slow_ranks, "recorded": self.recorded, "quarantined": self.quarantined,
-                "notes": self.notes, "checks": [asdict(c) for c in self.checks], "nodes": self.nodes}
+        return {
+            "passed": self.passed,
+            "node": self.node,
+            "warnings": self.warnings,
+            "failed_nodes": self.failed_nodes,
+            "cluster_failures": self.cluster_failures,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "device_type": self.device_type,
+            "quick": self.quick,
+            "seconds": self.seconds,
+            "slow_ranks": self.slow_ranks,
+            "recorded": self.recorded,
+            "quarantined": self.quarantined,
+            "notes": self.notes,
+            "checks": [asdict(c) for c in self.checks],
+            "nodes": self.nodes,
+        }
 
     def failure_line(self) -> str:
         """One line for the error message: what failed where."""

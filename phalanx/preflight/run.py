@@ -25,9 +25,16 @@ from phalanx.preflight.timing import SlowRank
 OUTPUT_FILE = "preflight.json"
 
 
-def run_preflight(config: Config, spec: LaunchSpec, quick: bool, overrides: dict[str, float] | None = None,
-                  slow: SlowRank | None = None, run_id: int | None = None, record: bool = True,
-                  progress: bool = True) -> PreflightReport:
+def run_preflight(
+    config: Config,
+    spec: LaunchSpec,
+    quick: bool,
+    overrides: dict[str, float] | None = None,
+    slow: SlowRank | None = None,
+    run_id: int | None = None,
+    record: bool = True,
+    progress: bool = True,
+) -> PreflightReport:
     """Preflight this node as part of the job `spec` describes (the same spec training would use).
 
     overrides: limits from thresholds.parse_overrides (`--threshold`). slow: a slow-rank drill; None
@@ -45,21 +52,30 @@ def run_preflight(config: Config, spec: LaunchSpec, quick: bool, overrides: dict
     launcher = uuid.uuid4().hex
     try:
         output = work_dir / OUTPUT_FILE
-        params = {"quick": quick, "device": config.parallel.device, "backend": config.parallel.backend,
-                  "runs_root": str(runs_root.resolve()), "output": str(output), "overrides": overrides or {},
-                  "slow": {"rank": slow.rank, "factor": slow.factor} if slow else None, "progress": progress,
-                  "launcher": launcher}
+        params = {
+            "quick": quick,
+            "device": config.parallel.device,
+            "backend": config.parallel.backend,
+            "runs_root": str(runs_root.resolve()),
+            "output": str(output),
+            "overrides": overrides or {},
+            "slow": {"rank": slow.rank, "factor": slow.factor} if slow else None,
+            "progress": progress,
+            "launcher": launcher,
+        }
         params_file = work_dir / "params.json"
         params_file.write_text(json.dumps(params))
         job = OneShot("preflight", ("-m", "phalanx.preflight.worker", str(params_file)), work_dir)
         try:
             launch(spec, config, one_shot=job)
         except RestartsExhaustedError as exc:
-            raise PreflightFailedError(f"the preflight could not complete ({exc}); the ranks' output above "
-                                       "says why") from None
+            raise PreflightFailedError(
+                f"the preflight could not complete ({exc}); the ranks' output above says why"
+            ) from None
         if not output.is_file():
-            raise PreflightFailedError("this node was not admitted to the preflight job (the rendezvous "
-                                       "closed without it)")
+            raise PreflightFailedError(
+                "this node was not admitted to the preflight job (the rendezvous closed without it)"
+            )
         raw = json.loads(output.read_text())
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -96,7 +112,9 @@ def _write_record(store, config: Config, report: PreflightReport, node: str, run
             store.quarantine_node(node, report.failed_nodes[node], run=config.run.name if run_id is not None else None)
             report.quarantined.append(node)
         elif any(q["node"] == node for q in store.quarantined()):
-            report.notes.append(f"{node} passed but is still quarantined from an earlier preflight; "
-                                f"release it with `phalanx preflight --clear {node}`")
+            report.notes.append(
+                f"{node} passed but is still quarantined from an earlier preflight; "
+                f"release it with `phalanx preflight --clear {node}`"
+            )
     finally:
         store.close()

@@ -49,8 +49,9 @@ class SlowRank:
         try:
             return cls(int(rank), float(factor))
         except ValueError:
-            raise PhalanxError(f"{SLOW_RANK_ENV} takes a rank number and {SLOW_FACTOR_ENV} a number above 1 "
-                               f"(got {rank!r}, {factor!r})") from None
+            raise PhalanxError(
+                f"{SLOW_RANK_ENV} takes a rank number and {SLOW_FACTOR_ENV} a number above 1 (got {rank!r}, {factor!r})"
+            ) from None
 
 
 def sync(device: torch.device) -> None:
@@ -64,8 +65,9 @@ class Timer:
     def __init__(self, device: torch.device, stretch: float = 1.0):
         self.device, self.stretch = device, stretch
 
-    def sample(self, op: Callable[[], object], reps: int = 1, collective: bool = False,
-               previous: float | None = None) -> float:
+    def sample(
+        self, op: Callable[[], object], reps: int = 1, collective: bool = False, previous: float | None = None
+    ) -> float:
         """Seconds per operation of one sample of `reps` operations.
 
         On a drill's slow rank, compute is stretched by sleeping after it, and the sleep counts in the
@@ -85,8 +87,9 @@ class Timer:
             elapsed *= self.stretch
         return elapsed / reps
 
-    def samples(self, op: Callable[[], object], warmup: int, samples: int, reps: int = 1,
-                collective: bool = False) -> list[float]:
+    def samples(
+        self, op: Callable[[], object], warmup: int, samples: int, reps: int = 1, collective: bool = False
+    ) -> list[float]:
         previous = None
         for _ in range(warmup):
             previous = self.sample(op, 1, collective, previous)
@@ -96,6 +99,7 @@ class Timer:
             times.append(previous)
         return times
 
-    def median(self, op: Callable[[], object], warmup: int, samples: int, reps: int = 1,
-               collective: bool = False) -> float:
+    def median(
+        self, op: Callable[[], object], warmup: int, samples: int, reps: int = 1, collective: bool = False
+    ) -> float:
         return statistics.median(self.samples(op, warmup, samples, reps, collective))

@@ -62,8 +62,16 @@ def run(params: dict[str, Any]) -> None:
         teardown(clean)
 
 
-def _measure(params: dict[str, Any], rank: int, world: int, local_rank: int, node_rank: int,
-             device: torch.device, backend: str, started: float) -> dict[str, Any]:
+def _measure(
+    params: dict[str, Any],
+    rank: int,
+    world: int,
+    local_rank: int,
+    node_rank: int,
+    device: torch.device,
+    backend: str,
+    started: float,
+) -> dict[str, Any]:
     gpu = device.type == "cuda"
     name = device_name(device)
     wl = workload(gpu, params["quick"])
@@ -79,18 +87,30 @@ def _measure(params: dict[str, Any], rank: int, world: int, local_rank: int, nod
     # Nodes started with different options would run different collectives and hang; say so instead.
     options = json.dumps({k: params.get(k) for k in ("quick", "overrides", "slow")}, sort_keys=True)
     if len(set(_gather(options, world))) > 1:
-        raise PhalanxError("the nodes were started with different preflight options (--quick, --threshold, "
-                           "the slow-rank drill); start every node with the same ones")
+        raise PhalanxError(
+            "the nodes were started with different preflight options (--quick, --threshold, "
+            "the slow-rank drill); start every node with the same ones"
+        )
 
-    mine: dict[str, Any] = {"rank": rank, "node": labels[rank], "local_rank": local_rank, "device": str(device),
-                            "device_name": name}
+    mine: dict[str, Any] = {
+        "rank": rank,
+        "node": labels[rank],
+        "local_rank": local_rank,
+        "device": str(device),
+        "device_name": name,
+    }
     if local_rank == 0:
         progress.say("inventory, hardware health and disk write speed of each node")
         runs_root = Path(params["runs_root"])
         health = read_health(gpu, bool(torch.version.hip))
-        mine["node_info"] = {"host": identity[rank][0], "node_rank": node_rank, "launcher": params["launcher"],
-                             "inventory": collect(runs_root, health["driver"]), "health": health,
-                             "disk_write_mbps": disk_write_mbps(runs_root, wl.disk_bytes)}
+        mine["node_info"] = {
+            "host": identity[rank][0],
+            "node_rank": node_rank,
+            "launcher": params["launcher"],
+            "inventory": collect(runs_root, health["driver"]),
+            "health": health,
+            "disk_write_mbps": disk_write_mbps(runs_root, wl.disk_bytes),
+        }
     dist.barrier()
 
     progress.say(f"matmul and memory bandwidth on every rank ({name})")
@@ -109,19 +129,27 @@ def _measure(params: dict[str, Any], rank: int, world: int, local_rank: int, nod
         for op in OPS:
             for nbytes in wl.collective_bytes:
                 size = message_bytes(op, nbytes, world)
-                own = time_collective(timer, op, size, None, world, wl.warmup, wl.collective_samples,
-                                      wl.collective_reps)
+                own = time_collective(
+                    timer, op, size, None, world, wl.warmup, wl.collective_samples, wl.collective_reps
+                )
                 seconds = max(_gather(own, world))
-                collectives.append({"op": op, "bytes": size, "seconds": seconds,
-                                    "algbw_gbps": algbw_gbps(size, seconds),
-                                    "busbw_gbps": busbw_gbps(op, size, seconds, world)})
+                collectives.append(
+                    {
+                        "op": op,
+                        "bytes": size,
+                        "seconds": seconds,
+                        "algbw_gbps": algbw_gbps(size, seconds),
+                        "busbw_gbps": busbw_gbps(op, size, seconds, world),
+                    }
+                )
         if gpu:
             torch.cuda.empty_cache()
         progress.say("bisecting the group for a slow rank")
         threshold = limits["slow_rank_ratio"].warn or limits["slow_rank_ratio"].fail
         node_of = {r: identity[r][1] for r in range(world)}
-        bisection = find_slow_ranks(timer, rank, world, node_of, wl.probe_bytes, wl.warmup, wl.probe_samples,
-                                    wl.probe_reps, threshold).to_json()
+        bisection = find_slow_ranks(
+            timer, rank, world, node_of, wl.probe_bytes, wl.warmup, wl.probe_samples, wl.probe_reps, threshold
+        ).to_json()
 
     every = _gather(mine, world)
     nodes: dict[str, dict[str, Any]] = {}
@@ -131,9 +159,19 @@ def _measure(params: dict[str, Any], rank: int, world: int, local_rank: int, nod
     for r in every:
         nodes[r["node"]]["ranks"].append(r["rank"])
     progress.say("done")
-    return {"world_size": world, "backend": backend, "gpu": gpu, "quick": params["quick"], "nodes": nodes,
-            "ranks": every, "collectives": collectives, "bisection": bisection,
-            "workload": wl.__dict__, "slow_drill": params.get("slow"), "seconds": time.perf_counter() - started}
+    return {
+        "world_size": world,
+        "backend": backend,
+        "gpu": gpu,
+        "quick": params["quick"],
+        "nodes": nodes,
+        "ranks": every,
+        "collectives": collectives,
+        "bisection": bisection,
+        "workload": wl.__dict__,
+        "slow_drill": params.get("slow"),
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def _node_labels(identity: list[tuple[str, int, int, str]]) -> list[str]:

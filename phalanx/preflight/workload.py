@@ -32,20 +32,66 @@ class Workload:
 def workload(gpu: bool, quick: bool) -> Workload:
     if gpu:
         if quick:
-            return Workload(matmul_n=8192, matmul_samples=5, matmul_reps=5, copy_bytes=1 * GiB, copy_samples=5,
-                            disk_bytes=256 * MiB, collective_bytes=(1 * MiB, 64 * MiB, 256 * MiB),
-                            collective_samples=10, collective_reps=5, probe_bytes=64 * MiB, probe_samples=10,
-                            probe_reps=2, warmup=3)
-        return Workload(matmul_n=8192, matmul_samples=20, matmul_reps=10, copy_bytes=2 * GiB, copy_samples=20,
-                        disk_bytes=2 * GiB, collective_bytes=(1 * MiB, 16 * MiB, 128 * MiB, 1 * GiB),
-                        collective_samples=20, collective_reps=5, probe_bytes=128 * MiB, probe_samples=20,
-                        probe_reps=2, warmup=5)
+            return Workload(
+                matmul_n=8192,
+                matmul_samples=5,
+                matmul_reps=5,
+                copy_bytes=1 * GiB,
+                copy_samples=5,
+                disk_bytes=256 * MiB,
+                collective_bytes=(1 * MiB, 64 * MiB, 256 * MiB),
+                collective_samples=10,
+                collective_reps=5,
+                probe_bytes=64 * MiB,
+                probe_samples=10,
+                probe_reps=2,
+                warmup=3,
+            )
+        return Workload(
+            matmul_n=8192,
+            matmul_samples=20,
+            matmul_reps=10,
+            copy_bytes=2 * GiB,
+            copy_samples=20,
+            disk_bytes=2 * GiB,
+            collective_bytes=(1 * MiB, 16 * MiB, 128 * MiB, 1 * GiB),
+            collective_samples=20,
+            collective_reps=5,
+            probe_bytes=128 * MiB,
+            probe_samples=20,
+            probe_reps=2,
+            warmup=5,
+        )
     # On CPUs several ranks share the cores and the scheduler hands them out in slices of a few ms: a
     # sample must span several slices (repeated operations) or its time is mostly which rank ran first.
     if quick:
-        return Workload(matmul_n=512, matmul_samples=5, matmul_reps=8, copy_bytes=32 * MiB, copy_samples=5,
-                        disk_bytes=32 * MiB, collective_bytes=(64 * KiB, 1 * MiB), collective_samples=8,
-                        collective_reps=4, probe_bytes=1 * MiB, probe_samples=10, probe_reps=8, warmup=2)
-    return Workload(matmul_n=768, matmul_samples=10, matmul_reps=4, copy_bytes=128 * MiB, copy_samples=10,
-                    disk_bytes=256 * MiB, collective_bytes=(64 * KiB, 1 * MiB, 8 * MiB), collective_samples=15,
-                    collective_reps=4, probe_bytes=1 * MiB, probe_samples=20, probe_reps=8, warmup=3)
+        return Workload(
+            matmul_n=512,
+            matmul_samples=5,
+            matmul_reps=8,
+            copy_bytes=32 * MiB,
+            copy_samples=5,
+            disk_bytes=32 * MiB,
+            collective_bytes=(64 * KiB, 1 * MiB),
+            collective_samples=8,
+            collective_reps=4,
+            probe_bytes=1 * MiB,
+            probe_samples=10,
+            probe_reps=8,
+            warmup=2,
+        )
+    return Workload(
+        matmul_n=768,
+        matmul_samples=10,
+        matmul_reps=4,
+        copy_bytes=128 * MiB,
+        copy_samples=10,
+        disk_bytes=256 * MiB,
+        collective_bytes=(64 * KiB, 1 * MiB, 8 * MiB),
+        collective_samples=15,
+        collective_reps=4,
+        probe_bytes=1 * MiB,
+        probe_samples=20,
+        probe_reps=8,
+        warmup=3,
+    )

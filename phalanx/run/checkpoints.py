@@ -72,8 +72,10 @@ def check_model_shape(path: Path, model_args: dict[str, Any]) -> None:
     saved = read_trainer_state(path).get("model_args", {})
     diffs = [f"{k} {saved.get(k)} != {v}" for k, v in model_args.items() if saved.get(k) != v]
     if diffs:
-        raise PhalanxError(f"checkpoint {path} is from a different model shape ({'; '.join(diffs)}); "
-                           "use another run.name or checkpoint.resume=never")
+        raise PhalanxError(
+            f"checkpoint {path} is from a different model shape ({'; '.join(diffs)}); "
+            "use another run.name or checkpoint.resume=never"
+        )
 
 
 def file_entry(path: Path) -> dict[str, Any]:

@@ -22,10 +22,12 @@ from phalanx.models.llama import ModelArgs, Transformer, rope_frequency_divisors
 GGUF_FILE = "model.gguf"
 # Llama 3.1 RoPE scaling: llama.cpp needs only the frequency divisors (rope_freqs), phalanx's model its
 # four parameters, so the export writes both and the reader checks that they agree.
-ROPE_SCALING_KEYS = {"rope_scaling_factor": "phalanx.rope.scaling.factor",
-                     "rope_low_freq_factor": "phalanx.rope.scaling.low_freq_factor",
-                     "rope_high_freq_factor": "phalanx.rope.scaling.high_freq_factor",
-                     "rope_original_max_seq_len": "phalanx.rope.scaling.original_context_length"}
+ROPE_SCALING_KEYS = {
+    "rope_scaling_factor": "phalanx.rope.scaling.factor",
+    "rope_low_freq_factor": "phalanx.rope.scaling.low_freq_factor",
+    "rope_high_freq_factor": "phalanx.rope.scaling.high_freq_factor",
+    "rope_original_max_seq_len": "phalanx.rope.scaling.original_context_length",
+}
 
 # phalanx name (per layer: after "layers.N.") -> llama.cpp name (per layer: after "blk.N.")
 _LAYER_NAMES = {
@@ -39,8 +41,11 @@ _LAYER_NAMES = {
     "attention_norm.weight": "attn_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
 }
-_TOP_NAMES = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-              "output.weight": "output.weight"}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "output.weight": "output.weight",
+}
 
 
 def gguf_name(name: str) -> str:
@@ -84,8 +89,9 @@ def read_gguf(file: Path) -> tuple[Transformer, Tokenizer, str | None]:
     try:
         reader = gguf.GGUFReader(str(file))
     except Exception as e:  # the gguf package raises ValueError, struct errors or numpy's on a bad file
-        raise PhalanxError(f"{file} is not a readable GGUF file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
-            from None
+        raise PhalanxError(
+            f"{file} is not a readable GGUF file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     fields = {name: field.contents() for name, field in reader.fields.items()}
     arch = fields.get("general.architecture")
     if arch != "llama":
@@ -123,19 +129,26 @@ def _model_args(file: Path, fields: dict, tensors: dict) -> ModelArgs:
         return fields[f"llama.{key}"]
 
     embedding = tensors.get("token_embd.weight")
-    vocab = fields.get("llama.vocab_size") or (len(fields["tokenizer.ggml.tokens"])
-                                               if "tokenizer.ggml.tokens" in fields else None)
+    vocab = fields.get("llama.vocab_size") or (
+        len(fields["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in fields else None
+    )
     if embedding is None or vocab is None:
         raise PhalanxError(f"{file} has no token embedding or vocabulary")
     scaling = {name: _decimal(fields[key]) for name, key in ROPE_SCALING_KEYS.items() if key in fields}
     heads = int(need("attention.head_count"))
-    return ModelArgs(dim=int(need("embedding_length")), n_layers=int(need("block_count")), n_heads=heads,
-                     n_kv_heads=int(fields.get("llama.attention.head_count_kv", heads)),
-                     ffn_dim=int(need("feed_forward_length")), vocab_size=int(vocab),
-                     max_seq_len=int(need("context_length")), rope_theta=_decimal(fields.get("llama.rope.freq_base", 10000.0)),
-                     norm_eps=_decimal(need("attention.layer_norm_rms_epsilon")),
-                     tie_embeddings="output.weight" not in tensors,
-                     **{k: (int(v) if k == "rope_original_max_seq_len" else v) for k, v in scaling.items()})
+    return ModelArgs(
+        dim=int(need("embedding_length")),
+        n_layers=int(need("block_count")),
+        n_heads=heads,
+        n_kv_heads=int(fields.get("llama.attention.head_count_kv", heads)),
+        ffn_dim=int(need("feed_forward_length")),
+        vocab_size=int(vocab),
+        max_seq_len=int(need("context_length")),
+        rope_theta=_decimal(fields.get("llama.rope.freq_base", 10000.0)),
+        norm_eps=_decimal(need("attention.layer_norm_rms_epsilon")),
+        tie_embeddings="output.weight" not in tensors,
+        **{k: (int(v) if k == "rope_original_max_seq_len" else v) for k, v in scaling.items()},
+    )
 
 
 def _decimal(value) -> float:
@@ -158,10 +171,15 @@ def _check_rope_divisors(file: Path, args: ModelArgs, tensors: dict) -> None:
     expected = rope_frequency_divisors(args)
     if stored is None and expected is None:
         return
-    if stored is None or expected is None or not np.allclose(np.asarray(stored.data, np.float32), expected.numpy(),
-                                                             rtol=1e-5):
-        raise PhalanxError(f"{file}: its RoPE frequency divisors (rope_freqs) do not follow from "
-                           "phalanx.rope.scaling.*; phalanx reads Llama 3.1 scaling only as its own export writes it")
+    if (
+        stored is None
+        or expected is None
+        or not np.allclose(np.asarray(stored.data, np.float32), expected.numpy(), rtol=1e-5)
+    ):
+        raise PhalanxError(
+            f"{file}: its RoPE frequency divisors (rope_freqs) do not follow from "
+            "phalanx.rope.scaling.*; phalanx reads Llama 3.1 scaling only as its own export writes it"
+        )
 
 
 def _tokenizer(file: Path, fields: dict, vocab_size: int) -> Tokenizer:
@@ -169,8 +187,10 @@ def _tokenizer(file: Path, fields: dict, vocab_size: int) -> Tokenizer:
     import gguf
 
     if fields.get("tokenizer.ggml.model") != "gpt2":
-        raise PhalanxError(f"{file} has tokenizer {fields.get('tokenizer.ggml.model')!r}; phalanx reads byte-level "
-                           "BPE ('gpt2') vocabularies only")
+        raise PhalanxError(
+            f"{file} has tokenizer {fields.get('tokenizer.ggml.model')!r}; phalanx reads byte-level "
+            "BPE ('gpt2') vocabularies only"
+        )
     tokens, types = fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.token_type")
     types = types or [int(gguf.TokenType.NORMAL)] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
@@ -178,8 +198,11 @@ def _tokenizer(file: Path, fields: dict, vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(vocab, merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    added = [AddedToken(t, special=kind == gguf.TokenType.CONTROL, normalized=False)
-             for t, kind in zip(tokens, types) if kind in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)]
+    added = [
+        AddedToken(t, special=kind == gguf.TokenType.CONTROL, normalized=False)
+        for t, kind in zip(tokens, types)
+        if kind in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
+    ]
     tokenizer.add_special_tokens([t for t in added if t.special])
     tokenizer.add_tokens([t for t in added if not t.special])
     special_ids(tokenizer, file)

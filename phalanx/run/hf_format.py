@@ -33,8 +33,11 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def hf_name(name: str) -> str:
@@ -75,12 +78,16 @@ def model_args_from_hf_config(config: dict, where: Path) -> ModelArgs:
     scaling = {}
     if rope_type == "llama3":
         try:
-            scaling = {"rope_scaling_factor": float(rope["factor"]), "rope_low_freq_factor": float(rope["low_freq_factor"]),
-                       "rope_high_freq_factor": float(rope["high_freq_factor"]),
-                       "rope_original_max_seq_len": int(rope["original_max_position_embeddings"])}
+            scaling = {
+                "rope_scaling_factor": float(rope["factor"]),
+                "rope_low_freq_factor": float(rope["low_freq_factor"]),
+                "rope_high_freq_factor": float(rope["high_freq_factor"]),
+                "rope_original_max_seq_len": int(rope["original_max_position_embeddings"]),
+            }
         except (KeyError, TypeError, ValueError):
-            unsupported.append("a llama3 rope scaling without factor, low/high_freq_factor and "
-                               "original_max_position_embeddings")
+            unsupported.append(
+                "a llama3 rope scaling without factor, low/high_freq_factor and original_max_position_embeddings"
+            )
     try:
         dim, n_heads = config["hidden_size"], config["num_attention_heads"]
         if (config.get("head_dim") or dim // n_heads) != dim // n_heads:  # null means the default
@@ -88,12 +95,17 @@ def model_args_from_hf_config(config: dict, where: Path) -> ModelArgs:
         if unsupported:
             raise PhalanxError(f"{where} uses Llama features phalanx does not support: {', '.join(unsupported)}")
         return ModelArgs(
-            dim=dim, n_layers=config["num_hidden_layers"], n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads", n_heads), ffn_dim=config["intermediate_size"],
-            vocab_size=config["vocab_size"], max_seq_len=config["max_position_embeddings"],
+            dim=dim,
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads", n_heads),
+            ffn_dim=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            max_seq_len=config["max_position_embeddings"],
             rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)), **scaling,
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            **scaling,
         )
     except KeyError as e:
         raise PhalanxError(f"{where}/{CONFIG_FILE} lacks {e.args[0]!r}") from None
@@ -132,8 +144,10 @@ def read_hf_model(path: Path) -> Transformer:
         ours.pop("lm_head.weight")
     missing, unexpected = sorted(set(ours) - set(hf_tensors)), sorted(set(hf_tensors) - set(ours))
     if missing or unexpected:
-        raise PhalanxError(f"{path}/{WEIGHTS_FILE} does not match its config: "
-                           f"missing {missing[:3] or 'none'}, unexpected {unexpected[:3] or 'none'}")
+        raise PhalanxError(
+            f"{path}/{WEIGHTS_FILE} does not match its config: "
+            f"missing {missing[:3] or 'none'}, unexpected {unexpected[:3] or 'none'}"
+        )
     state = {ours[hf]: tensor.float() for hf, tensor in hf_tensors.items()}
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -142,8 +156,9 @@ def read_hf_model(path: Path) -> Transformer:
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:  # a tensor of the wrong shape
-        raise PhalanxError(f"{path}/{WEIGHTS_FILE} does not match its config: {str(e).splitlines()[-1].strip()}") \
-            from None
+        raise PhalanxError(
+            f"{path}/{WEIGHTS_FILE} does not match its config: {str(e).splitlines()[-1].strip()}"
+        ) from None
     return model
 
 

@@ -70,15 +70,22 @@ def _take(handle: IO, path: Path, orphan_wait: float) -> None:
         if owner is None or pid_alive(owner) or time.monotonic() > deadline:
             break
         if not said:  # the command that took it is gone: what still holds it are its ranks, dying
-            print(f"waiting for the ranks of a stopped launch (pid {owner}) to let go of {path}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"waiting for the ranks of a stopped launch (pid {owner}) to let go of {path}",
+                file=sys.stderr,
+                flush=True,
+            )
             said = True
         time.sleep(0.1)
     if owner is not None and not pid_alive(owner):
-        raise PhalanxError(f"{path} is still held by processes of a launch that is gone (pid {owner}) after "
-                           f"{orphan_wait:.0f} s; find them with `fuser -v {RunDir(path).lock}` and stop them")
-    raise PhalanxError(f"{path} is in use by a running `phalanx train` (or another command writing "
-                       "into it); wait for it or pick another run.name")
+        raise PhalanxError(
+            f"{path} is still held by processes of a launch that is gone (pid {owner}) after "
+            f"{orphan_wait:.0f} s; find them with `fuser -v {RunDir(path).lock}` and stop them"
+        )
+    raise PhalanxError(
+        f"{path} is in use by a running `phalanx train` (or another command writing "
+        "into it); wait for it or pick another run.name"
+    )
 
 
 def hold_shared(lock_file: Path) -> IO:
@@ -88,8 +95,9 @@ def hold_shared(lock_file: Path) -> IO:
         fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise PhalanxError(f"{lock_file} is held by another command: this rank's launch no longer owns "
-                           "the run directory") from None
+        raise PhalanxError(
+            f"{lock_file} is held by another command: this rank's launch no longer owns the run directory"
+        ) from None
     return handle
 
 

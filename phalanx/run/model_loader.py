@@ -51,11 +51,13 @@ def load_model(path: Path, device: torch.device | str = "cpu") -> LoadedModel:
         model, tokenizer, template = read_gguf(gguf)
         loaded = LoadedModel(model, tokenizer, gguf, template or CHAT_TEMPLATE, "gguf")
     elif not path.is_dir():
-        raise PhalanxError(f"{path} is neither a directory nor a .gguf file: give a run directory, a checkpoint "
-                           "or an export")
+        raise PhalanxError(
+            f"{path} is neither a directory nor a .gguf file: give a run directory, a checkpoint or an export"
+        )
     elif is_hf_export(path):
-        loaded = LoadedModel(read_hf_model(path), read_hf_tokenizer(path), path,
-                             read_chat_template(path) or CHAT_TEMPLATE, "safetensors")
+        loaded = LoadedModel(
+            read_hf_model(path), read_hf_tokenizer(path), path, read_chat_template(path) or CHAT_TEMPLATE, "safetensors"
+        )
     else:
         loaded = _load_checkpoint(path)
     loaded.model.to(device).eval()
@@ -66,8 +68,10 @@ def _load_checkpoint(path: Path) -> LoadedModel:
     if is_checkpoint_dir(path):
         checkpoint, run = path, run_of_checkpoint(path)
         if run is None:
-            raise PhalanxError(f"checkpoint {path} is not inside a run directory, so its tokenizer is unknown; "
-                               "give the run directory, or export it first")
+            raise PhalanxError(
+                f"checkpoint {path} is not inside a run directory, so its tokenizer is unknown; "
+                "give the run directory, or export it first"
+            )
     else:
         run = RunDir(path)
         checkpoint = latest_checkpoint(run.checkpoints)

@@ -34,8 +34,16 @@ def prepare_run(config: Config, progress: bool = True) -> PreparedData:
         raise PhalanxError(f"cannot create run directory {run.path}: {exc.strerror}") from None
     save_config(config, run.path)
     d = config.data
-    data = prepare_data(d.sources, Path.cwd(), data_cache_dir(config.run.dir), d.vocab_size, d.tokenizer,
-                        d.val_fraction, d.text_field, progress=progress)
+    data = prepare_data(
+        d.sources,
+        Path.cwd(),
+        data_cache_dir(config.run.dir),
+        d.vocab_size,
+        d.tokenizer,
+        d.val_fraction,
+        d.text_field,
+        progress=progress,
+    )
     shutil.copyfile(data.tokenizer_path, run.tokenizer)
     run.data_pointer.write_text(json.dumps({"prepared": str(data.dir)}))
     return data

@@ -22,8 +22,11 @@ def resolved(config: Config, vocab_size: int | None = None, dp_ranks: int | None
     data-parallel ranks (the world size over parallel.tp)."""
     # The vocabulary only when known: the tokenizer's (`vocab_size`) or model.vocab_size.
     args = model_args(config.model, vocab_size)
-    shape = {k: getattr(args, k) for k in type(config.model).model_fields
-             if k not in ("preset", "vocab_size") and hasattr(args, k)}
+    shape = {
+        k: getattr(args, k)
+        for k in type(config.model).model_fields
+        if k not in ("preset", "vocab_size") and hasattr(args, k)
+    }
     if vocab_size is not None or config.model.vocab_size is not None:
         shape["vocab_size"] = args.vocab_size
     model = config.model.model_copy(update=shape)

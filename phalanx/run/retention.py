@@ -21,8 +21,9 @@ _STACK_FILE = re.compile(r"attempt(\d+)-rank\d+\.txt")
 _CORRUPT = re.compile(r"corrupt-step_(\d+)")
 
 
-def apply_retention(run_dir: Path, keep_corrupt: int = KEEP_CORRUPT,
-                    keep_stacks: int = KEEP_STACK_ATTEMPTS) -> list[Path]:
+def apply_retention(
+    run_dir: Path, keep_corrupt: int = KEEP_CORRUPT, keep_stacks: int = KEEP_STACK_ATTEMPTS
+) -> list[Path]:
     """Remove what the rule says goes; returns the paths removed."""
     run = RunDir(run_dir)
     removed: list[Path] = []

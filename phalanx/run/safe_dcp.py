@@ -22,17 +22,27 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from phalanx.errors import PhalanxError
 
-_METADATA_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorProperties",
-                     "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-ALLOWED_GLOBALS = frozenset({
-    *(("torch.distributed.checkpoint.metadata", name) for name in _METADATA_CLASSES),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a layout from its name
-    ("pathlib", "PosixPath"),  # the checkpoint id recorded at save time
-    ("pathlib", "WindowsPath"),
-    ("collections", "OrderedDict"),
-})
+_METADATA_CLASSES = (
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+)
+ALLOWED_GLOBALS = frozenset(
+    {
+        *(("torch.distributed.checkpoint.metadata", name) for name in _METADATA_CLASSES),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout from its name
+        ("pathlib", "PosixPath"),  # the checkpoint id recorded at save time
+        ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+)
 
 
 class UnsafeCheckpointError(PhalanxError):
@@ -41,8 +51,9 @@ class UnsafeCheckpointError(PhalanxError):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in ALLOWED_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
+        if (module, name) in ALLOWED_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name}")
 
@@ -53,8 +64,10 @@ def read_metadata_file(path: Path) -> Any:
         with open(path, "rb") as f:
             return _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"refusing to load {path}: its DCP metadata asks to load {exc}, which a "
-                                    "checkpoint never needs (a crafted checkpoint can run code this way)") from None
+        raise UnsafeCheckpointError(
+            f"refusing to load {path}: its DCP metadata asks to load {exc}, which a "
+            "checkpoint never needs (a crafted checkpoint can run code this way)"
+        ) from None
     except (EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError) as exc:
         raise UnsafeCheckpointError(f"checkpoint metadata {path} is unreadable: {exc}") from None
 
@@ -81,8 +94,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             checked = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(f"refusing a checkpoint item {read_item.dest_index.fqn}: "
-                                        f"{str(exc).splitlines()[0]}") from None
+            raise UnsafeCheckpointError(
+                f"refusing a checkpoint item {read_item.dest_index.fqn}: {str(exc).splitlines()[0]}"
+            ) from None
         clean = io.BytesIO()
         torch.save(checked, clean)
         clean.seek(0)

@@ -67,7 +67,7 @@ def peer_sources(launch: Path) -> dict[int, Path]:
     """Source rank -> the directory of the peer copies this launch holds for it."""
     found = {}
     for path in Path(launch).glob("peer_rank_*"):
-        source = path.name[len("peer_rank_"):]
+        source = path.name[len("peer_rank_") :]
         if source.isdigit():
             found[int(source)] = path
     return found
@@ -91,7 +91,7 @@ def complete_steps(rank_dir: Path) -> list[int]:
     """The steps a rank directory holds a complete snapshot of (its sidecar written), oldest first."""
     found = []
     for side in Path(rank_dir).glob("step_*.json"):
-        stem = side.stem[len("step_"):]
+        stem = side.stem[len("step_") :]
         if stem.isdigit():
             found.append(int(stem))
     return sorted(found)

@@ -38,8 +38,15 @@ from torch.distributed.elastic.multiprocessing.api import SignalException, _term
 
 from phalanx.config.schema import SafeSection
 from phalanx.console import say
-from phalanx.errors import (CrashLoopError, DiskFullError, PhalanxError, PreemptedError, RankOutOfMemoryError,
-                            RunDirLostError, StoppedBySignal)
+from phalanx.errors import (
+    CrashLoopError,
+    DiskFullError,
+    PhalanxError,
+    PreemptedError,
+    RankOutOfMemoryError,
+    RunDirLostError,
+    StoppedBySignal,
+)
 from phalanx.run.layout import RunDir
 from phalanx.run.records import EventSink
 from phalanx.safe.heartbeat import HeartbeatBoard
@@ -52,9 +59,20 @@ NO_OUT_OF_MEMORY = object()  # the previous attempt did not end in an out-of-mem
 
 
 class PhalanxAgent(LocalElasticAgent):
-    def __init__(self, spec, logs_specs, *, safe: SafeSection, run_dir: Path, events: EventSink,
-                 board: HeartbeatBoard | None, newest_checkpoint_step, before_restart=None,
-                 cold_start: tuple[str, tuple[str, ...]] | None = None, **kwargs):
+    def __init__(
+        self,
+        spec,
+        logs_specs,
+        *,
+        safe: SafeSection,
+        run_dir: Path,
+        events: EventSink,
+        board: HeartbeatBoard | None,
+        newest_checkpoint_step,
+        before_restart=None,
+        cold_start: tuple[str, tuple[str, ...]] | None = None,
+        **kwargs,
+    ):
         super().__init__(spec, logs_specs, **kwargs)
         self.before_restart = before_restart  # () -> None, raises to keep this node out (safe.preflight)
         # (executable, args): the same rank as a command line, for when a warm start cannot be made
@@ -124,11 +142,17 @@ class PhalanxAgent(LocalElasticAgent):
         try:
             return super()._start_workers(worker_group)
         except OSError as exc:  # a semaphore's ENOSPC names no file (a full log directory's would)
-            if exc.errno != errno.ENOSPC or exc.filename is not None or self.cold_start is None \
-                    or not callable(worker_group.spec.entrypoint):
+            if (
+                exc.errno != errno.ENOSPC
+                or exc.filename is not None
+                or self.cold_start is None
+                or not callable(worker_group.spec.entrypoint)
+            ):
                 raise
-        say("warning: /dev/shm is full (no room for the semaphores of a warm start): this attempt's ranks "
-            "start as fresh interpreters, seconds slower; free /dev/shm to get warm restarts back")
+        say(
+            "warning: /dev/shm is full (no room for the semaphores of a warm start): this attempt's ranks "
+            "start as fresh interpreters, seconds slower; free /dev/shm to get warm restarts back"
+        )
         self.events.emit("cold_start", attempt=self.attempt, reason="/dev/shm is full")
         warm = worker_group.spec
         executable, args = self.cold_start
@@ -167,10 +191,13 @@ class PhalanxAgent(LocalElasticAgent):
             signal.signal(signal.SIGTERM, previous)
         codes = list(rank_exit_codes(self._pcontext).values())
         if any(code != PreemptedError.exit_code for code in codes):  # killed (or not even reaped yet)
-            say(f"the ranks did not stop within safe.preemption_grace_s={grace:g} s and were killed; "
-                "the run resumes from its newest checkpoint")
-        self.events.emit("preemption_stop", attempt=self.attempt, seconds=round(time.monotonic() - t0, 3),
-                         exitcodes=codes)
+            say(
+                f"the ranks did not stop within safe.preemption_grace_s={grace:g} s and were killed; "
+                "the run resumes from its newest checkpoint"
+            )
+        self.events.emit(
+            "preemption_stop", attempt=self.attempt, seconds=round(time.monotonic() - t0, 3), exitcodes=codes
+        )
 
     # -- attempts ---------------------------------------------------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -199,8 +226,9 @@ class PhalanxAgent(LocalElasticAgent):
             self._check_node = self.before_restart is not None
             step = self.newest_checkpoint_step()
             start = f"step {step}" if step is not None else "step 0 (no checkpoint yet)"
-            self._notice = (f"{self._failure_line}; restarting from {start}, restart {self.attempt + 1} "
-                            f"of {self.safe.max_restarts}")
+            self._notice = (
+                f"{self._failure_line}; restarting from {start}, restart {self.attempt + 1} of {self.safe.max_restarts}"
+            )
         else:
             self.events.emit("regroup", attempt=self.attempt, reason="nodes are waiting to join")
             self._notice = "nodes are waiting to join: re-forming the job"
@@ -231,9 +259,11 @@ class PhalanxAgent(LocalElasticAgent):
         would write on into deleted files (checkpoints nobody can resume from), and the lock, gone with
         the directory, no longer keeps a second launch of the same run out."""
         if self._home is not None and _identity(RunDir(self.run_dir)) != self._home:
-            raise RunDirLostError(f"the run directory {self.run_dir} (or its lock) was deleted or replaced while "
-                                  "the job ran: stopped; checkpoints and records there are gone or another "
-                                  "launch's, so restore it or start the run again")
+            raise RunDirLostError(
+                f"the run directory {self.run_dir} (or its lock) was deleted or replaced while "
+                "the job ran: stopped; checkpoints and records there are gone or another "
+                "launch's, so restore it or start the run again"
+            )
 
     def _failed_ranks(self, result: RunResult, worker_group: WorkerGroup) -> dict[int, tuple[int, int]]:
         """global rank -> (local rank, exit code) of every rank that exited with an error. torch names only
@@ -263,32 +293,56 @@ class PhalanxAgent(LocalElasticAgent):
         ranks = []
         for rank, (local_rank, exitcode) in sorted(failed.items()):
             beat = beats.get(local_rank)
-            ranks.append({"rank": rank, "exitcode": exitcode, "step": beat.step if beat else None,
-                          "phase": beat.phase if beat else None,
-                          "stalled_for": now - beat.time if beat and beat.time else None,
-                          "stopped": local_rank in self._stopped_ranks})
+            ranks.append(
+                {
+                    "rank": rank,
+                    "exitcode": exitcode,
+                    "step": beat.step if beat else None,
+                    "phase": beat.phase if beat else None,
+                    "stalled_for": now - beat.time if beat and beat.time else None,
+                    "stopped": local_rank in self._stopped_ranks,
+                }
+            )
         # A rank that ran out of memory is the cause: it says so in its exit code, and its peers only fail
         # with it (a broken connection, an abort, the agent's stop), some of them silent as long or longer.
         # Else a rank killed by a signal is the likelier cause; peers then fail on broken connections, and
         # those the agent stopped itself (SIGKILL once a peer failed) are consequences. Then the one
         # silent longest.
-        cause = max(ranks, key=lambda r: (r["exitcode"] == RankOutOfMemoryError.exit_code,
-                                          r["exitcode"] < 0 and r["exitcode"] != -signal.SIGTERM and not r["stopped"],
-                                          r["stalled_for"] or 0.0))
+        cause = max(
+            ranks,
+            key=lambda r: (
+                r["exitcode"] == RankOutOfMemoryError.exit_code,
+                r["exitcode"] < 0 and r["exitcode"] != -signal.SIGTERM and not r["stopped"],
+                r["stalled_for"] or 0.0,
+            ),
+        )
         for r in ranks:
             del r["stopped"]
         if cause["exitcode"] == RankOutOfMemoryError.exit_code:
             self._on_out_of_memory(cause, ranks, failed[cause["rank"]][0])
             return
         self._previous_oom_step = NO_OUT_OF_MEMORY
-        self.events.emit("worker_failed", rank=cause["rank"], attempt=self.attempt, exitcode=cause["exitcode"],
-                         step=cause["step"], phase=cause["phase"], stalled_for=cause["stalled_for"], ranks=ranks)
+        self.events.emit(
+            "worker_failed",
+            rank=cause["rank"],
+            attempt=self.attempt,
+            exitcode=cause["exitcode"],
+            step=cause["step"],
+            phase=cause["phase"],
+            stalled_for=cause["stalled_for"],
+            ranks=ranks,
+        )
         self.last_failure = f"rank {cause['rank']} exited with code {cause['exitcode']}" + (
-            f" at step {cause['step']} ({cause['phase']})" if cause["step"] is not None else "")
-        how = (f"({signal.Signals(-cause['exitcode']).name})" if _is_signal(cause["exitcode"])
-               else f"with code {cause['exitcode']}")
+            f" at step {cause['step']} ({cause['phase']})" if cause["step"] is not None else ""
+        )
+        how = (
+            f"({signal.Signals(-cause['exitcode']).name})"
+            if _is_signal(cause["exitcode"])
+            else f"with code {cause['exitcode']}"
+        )
         self._failure_line = f"rank {cause['rank']} exited {how}" + (
-            f" at step {cause['step']}" if cause["step"] is not None else "")
+            f" at step {cause['step']}" if cause["step"] is not None else ""
+        )
 
     def _on_out_of_memory(self, cause: dict, ranks: list[dict], local_rank: int) -> None:
         """Name the rank, the step and the allocation that failed (the rank recorded the allocator's message
@@ -298,15 +352,26 @@ class PhalanxAgent(LocalElasticAgent):
         files = getattr(self._pcontext, "error_files", None) or {}
         failure = allocation_failure(read_error_file(files.get(local_rank)))
         step = cause["step"]
-        self.events.emit("worker_failed", rank=cause["rank"], attempt=self.attempt, exitcode=cause["exitcode"],
-                         step=step, phase=cause["phase"], stalled_for=cause["stalled_for"], ranks=ranks,
-                         reason="out_of_memory", bytes=failure.nbytes, device=failure.device)
+        self.events.emit(
+            "worker_failed",
+            rank=cause["rank"],
+            attempt=self.attempt,
+            exitcode=cause["exitcode"],
+            step=step,
+            phase=cause["phase"],
+            stalled_for=cause["stalled_for"],
+            ranks=ranks,
+            reason="out_of_memory",
+            bytes=failure.nbytes,
+            device=failure.device,
+        )
         where = f"at step {step}" if step is not None else "while starting"
         self.last_failure = f"rank {cause['rank']} ran out of memory {where} ({failure.describe()})"
         if step == self._previous_oom_step:
             raise RankOutOfMemoryError(
                 f"{self.last_failure}, as on the previous attempt: every restart would too; make the step need "
-                "less memory (train.micro_batch_size, sharding, activation checkpointing) or run where there is more")
+                "less memory (train.micro_batch_size, sharding, activation checkpointing) or run where there is more"
+            )
         self._previous_oom_step = step
         self._failure_line = f"{self.last_failure}; retried once, as memory another process held may be free now"
 
@@ -316,20 +381,39 @@ class PhalanxAgent(LocalElasticAgent):
         pids = self._pcontext.pids() if self._pcontext is not None else {}
         global_rank = {w.local_rank: w.global_rank for w in worker_group.workers}
         files = {s.local_rank: RunDir(self.run_dir).stack_file(self.attempt, global_rank[s.local_rank]) for s in stalls}
-        missing = take_stacks({s.local_rank: (pids[s.local_rank], files[s.local_rank]) for s in stalls
-                               if s.local_rank in pids}, STACK_WAIT_SECONDS)
+        missing = take_stacks(
+            {s.local_rank: (pids[s.local_rank], files[s.local_rank]) for s in stalls if s.local_rank in pids},
+            STACK_WAIT_SECONDS,
+        )
         chosen = culprit(stalls)
         ranks = []
         for s in stalls:
             dump = files[s.local_rank].read_text() if files[s.local_rank].is_file() else ""
-            ranks.append({"rank": global_rank[s.local_rank], "step": s.step, "phase": s.phase,
-                          "progress": s.progress, "stalled_for": round(s.stalled_for, 3), "limit": round(s.limit, 3),
-                          "where": innermost_frame(dump), "stack_file": str(files[s.local_rank]),
-                          **({"stack_missing": missing[s.local_rank]} if missing.get(s.local_rank) else {})})
-        self.events.emit("hang_detected", rank=global_rank[chosen.local_rank], attempt=self.attempt,
-                         stalled_for=chosen.stalled_for, limit=chosen.limit, ranks=ranks)
-        self.last_failure = (f"rank {global_rank[chosen.local_rank]} hung at step {chosen.step} "
-                             f"({chosen.phase}) for {chosen.stalled_for:.1f} s")
+            ranks.append(
+                {
+                    "rank": global_rank[s.local_rank],
+                    "step": s.step,
+                    "phase": s.phase,
+                    "progress": s.progress,
+                    "stalled_for": round(s.stalled_for, 3),
+                    "limit": round(s.limit, 3),
+                    "where": innermost_frame(dump),
+                    "stack_file": str(files[s.local_rank]),
+                    **({"stack_missing": missing[s.local_rank]} if missing.get(s.local_rank) else {}),
+                }
+            )
+        self.events.emit(
+            "hang_detected",
+            rank=global_rank[chosen.local_rank],
+            attempt=self.attempt,
+            stalled_for=chosen.stalled_for,
+            limit=chosen.limit,
+            ranks=ranks,
+        )
+        self.last_failure = (
+            f"rank {global_rank[chosen.local_rank]} hung at step {chosen.step} "
+            f"({chosen.phase}) for {chosen.stalled_for:.1f} s"
+        )
         stack = missing.get(chosen.local_rank) or f"its stack is in {files[chosen.local_rank]}"
         self._failure_line = f"{self.last_failure}; {stack}"
 
@@ -344,10 +428,17 @@ class PhalanxAgent(LocalElasticAgent):
         if self.failed_without_progress >= self.safe.crash_loop_restarts:
             restarts = self.failed_without_progress
             where = f"step {progress}" if progress is not None else "no checkpoint yet"
-            self.events.emit("crash_loop", attempt=self.attempt, restarts=restarts, checkpoint_step=progress,
-                             last_failure=self.last_failure)
-            raise CrashLoopError(f"crash loop: {restarts} restarts in a row without checkpoint progress "
-                                 f"({where}); last failure: {self.last_failure} (see {RunDir(self.run_dir).events})")
+            self.events.emit(
+                "crash_loop",
+                attempt=self.attempt,
+                restarts=restarts,
+                checkpoint_step=progress,
+                last_failure=self.last_failure,
+            )
+            raise CrashLoopError(
+                f"crash loop: {restarts} restarts in a row without checkpoint progress "
+                f"({where}); last failure: {self.last_failure} (see {RunDir(self.run_dir).events})"
+            )
 
 
 def _identity(run: RunDir) -> tuple[tuple[int, int], ...] | None:

@@ -32,8 +32,9 @@ class RecoveryCosts:
     save_stall: float
 
 
-def interruptions_per_second(gpus: int, reference_gpus: int = LLAMA3_GPUS,
-                             hours_per_interruption: float = LLAMA3_HOURS_PER_INTERRUPTION) -> float:
+def interruptions_per_second(
+    gpus: int, reference_gpus: int = LLAMA3_GPUS, hours_per_interruption: float = LLAMA3_HOURS_PER_INTERRUPTION
+) -> float:
     if gpus < 1:
         raise ValueError(f"a job has at least one GPU, not {gpus}")
     return gpus / reference_gpus / (hours_per_interruption * 3600)

@@ -24,8 +24,12 @@ from typing import Any
 from phalanx.run.records import read_events
 
 FAILURES = ("worker_failed", "hang_detected")  # one event per incident, from the node agent
-FAULT_KINDS = {"worker_failed": "crash", "hang_detected": "hang", "save_failed": "save_failed",
-               "checkpoint_corrupt": "corrupt_checkpoint"}
+FAULT_KINDS = {
+    "worker_failed": "crash",
+    "hang_detected": "hang",
+    "save_failed": "save_failed",
+    "checkpoint_corrupt": "corrupt_checkpoint",
+}
 
 
 def account(events: list[dict], metrics: list[dict], wall_start: float, wall_end: float) -> dict[str, Any]:
@@ -43,8 +47,11 @@ def account(events: list[dict], metrics: list[dict], wall_start: float, wall_end
         "skipped": sum(m["step_seconds"] for m in kept if "skipped" in m),
         "eval": sum(m["eval_seconds"] for m in evals),
         # What saving stopped training for: all of a synchronous save, the staging of an asynchronous one.
-        "checkpoint_save": sum(e.get("stall_seconds", e.get("seconds", 0.0)) for e in events
-                               if e["kind"] in ("checkpoint_saved", "save_failed")),
+        "checkpoint_save": sum(
+            e.get("stall_seconds", e.get("seconds", 0.0))
+            for e in events
+            if e["kind"] in ("checkpoint_saved", "save_failed")
+        ),
         "checkpoint_load": _total(events, ("checkpoint_loaded",)),
         "startup": _startup(events, evals, wall_start),
         "detection": sum(e.get("stalled_for") or 0.0 for e in events if e["kind"] in FAILURES),
@@ -102,8 +109,9 @@ def _stragglers(events: list[dict]) -> list[dict]:
     for e in events:
         if e["kind"] == "straggler":
             rank = e["straggler_rank"]
-            entry = worst.setdefault(rank, {"rank": rank, "node": e["straggler_node"], "score": e["score"],
-                                            "alerts": 0})
+            entry = worst.setdefault(
+                rank, {"rank": rank, "node": e["straggler_node"], "score": e["score"], "alerts": 0}
+            )
             entry["score"] = min(entry["score"], e["score"])
             entry["alerts"] += 1
     return sorted(worst.values(), key=lambda s: s["rank"])

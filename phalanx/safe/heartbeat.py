@@ -75,14 +75,13 @@ class HeartbeatBoard:
             self._beat_agent()
 
     def clear(self) -> None:
-        self._map[HEADER.size:] = bytes(len(self._map) - HEADER.size)
+        self._map[HEADER.size :] = bytes(len(self._map) - HEADER.size)
 
     def read(self) -> list[Beat]:
         beats = []
         for i in range(self.n):
             step, phase, pid, when, last, progress = SLOT.unpack_from(self._map, HEADER.size + i * SLOT.size)
-            beats.append(Beat(i, step, PHASES[phase] if 0 <= phase < len(PHASES) else "?", pid, when, last,
-                              progress))
+            beats.append(Beat(i, step, PHASES[phase] if 0 <= phase < len(PHASES) else "?", pid, when, last, progress))
         return beats
 
     def close(self) -> None:
@@ -130,7 +129,7 @@ def remove_stale_boards(directory: Path) -> list[Path]:
     """Delete the boards of agents that are gone (killed before they could remove theirs); returns them."""
     removed = []
     for path in Path(directory).glob(f"{FILE_PREFIX}*-*"):
-        owner = path.name[len(FILE_PREFIX):].split("-", 1)[0]
+        owner = path.name[len(FILE_PREFIX) :].split("-", 1)[0]
         if owner.isdigit() and not pid_alive(int(owner)):
             path.unlink(missing_ok=True)
             removed.append(path)
@@ -143,8 +142,13 @@ class AgentWatch:
     older than `stale_after` seconds. The thread blocks the signals the rank handles itself, so they
     are always delivered to the main thread (faulthandler's stack dump names the thread that took it)."""
 
-    def __init__(self, path: Path, on_gone: Callable[[str], None], stale_after: float = AGENT_STALE_SECONDS,
-                 interval: float = AGENT_BEAT_SECONDS):
+    def __init__(
+        self,
+        path: Path,
+        on_gone: Callable[[str], None],
+        stale_after: float = AGENT_STALE_SECONDS,
+        interval: float = AGENT_BEAT_SECONDS,
+    ):
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), 0)
         self.on_gone, self.stale_after, self.interval = on_gone, stale_after, interval
@@ -216,8 +220,16 @@ class Heartbeat:
                 self.step = step
             if counted:
                 self.progress += 1
-            SLOT.pack_into(self._map, self._offset, self.step, PHASE_CODE[phase], self._pid, time.monotonic(),
-                           self._last, self.progress)
+            SLOT.pack_into(
+                self._map,
+                self._offset,
+                self.step,
+                PHASE_CODE[phase],
+                self._pid,
+                time.monotonic(),
+                self._last,
+                self.progress,
+            )
 
     def step_done(self, step: int, seconds: float) -> None:
         self._last = seconds

@@ -24,7 +24,6 @@ from phalanx.run.layout import RunDir
 from phalanx.run.records import EventSink, read_events
 from phalanx.safe.heartbeat import Heartbeat
 
-
 # What the `oom` fault asks the allocator for: more than any machine has (1 PiB), so the real allocator
 # refuses it at once, as it refuses a batch that does not fit (CPU: "can't allocate memory: you tried to
 # allocate N bytes"; GPU: torch.OutOfMemoryError), and nothing is ever allocated.
@@ -32,8 +31,15 @@ OOM_BYTES = 1 << 50
 
 
 class FaultInjector:
-    def __init__(self, specs: list[FaultSpec], rank: int, events: EventSink, run_dir: Path, heartbeat: Heartbeat,
-                 device: torch.device):
+    def __init__(
+        self,
+        specs: list[FaultSpec],
+        rank: int,
+        events: EventSink,
+        run_dir: Path,
+        heartbeat: Heartbeat,
+        device: torch.device,
+    ):
         self.device = device  # where the training tensors live: where an `oom` fault allocates
         fired = {e.get("spec") for e in read_events(run_dir) if e["kind"] == "fault_injected"}
         self._pending = [s for s in specs if s.rank == rank and (s.repeat or _key(s) not in fired)]
@@ -49,8 +55,15 @@ class FaultInjector:
         for spec in self._pending:
             if spec.fault in kinds and (spec.step <= step if at_or_after else spec.step == step):
                 self._pending.remove(spec)
-                self.events.emit("fault_injected", rank=self.rank, spec=_key(spec), fault=spec.fault, step=step,
-                                 phase=spec.phase if spec.fault == "hang" else None, ms=spec.ms or None)
+                self.events.emit(
+                    "fault_injected",
+                    rank=self.rank,
+                    spec=_key(spec),
+                    fault=spec.fault,
+                    step=step,
+                    phase=spec.phase if spec.fault == "hang" else None,
+                    ms=spec.ms or None,
+                )
                 return spec
         return None
 

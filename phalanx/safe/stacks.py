@@ -48,8 +48,12 @@ def process_state(pid: int) -> str | None:
     return stat[stat.rindex(")") + 2]  # after "pid (command) ": the command itself may hold spaces
 
 
-_CANNOT_ANSWER = {"T": "stopped (SIGSTOP or a job-control stop)", "t": "stopped by a tracer",
-                  "Z": "already dead (a zombie)", "D": "blocked inside the kernel (uninterruptible sleep)"}
+_CANNOT_ANSWER = {
+    "T": "stopped (SIGSTOP or a job-control stop)",
+    "t": "stopped by a tracer",
+    "Z": "already dead (a zombie)",
+    "D": "blocked inside the kernel (uninterruptible sleep)",
+}
 
 
 def take_stacks(targets: dict[int, tuple[int, Path]], wait_seconds: float) -> dict[int, str | None]:
@@ -68,8 +72,10 @@ def take_stacks(targets: dict[int, tuple[int, Path]], wait_seconds: float) -> di
         return path.is_file() and path.stat().st_size > 0
 
     while time.monotonic() < deadline and not all(dumped(path) for _, path in targets.values()):
-        if all(dumped(path) or process_state(pid) in _CANNOT_ANSWER or process_state(pid) is None
-               for pid, path in targets.values()):
+        if all(
+            dumped(path) or process_state(pid) in _CANNOT_ANSWER or process_state(pid) is None
+            for pid, path in targets.values()
+        ):
             break  # the rest can never answer: no point waiting for them
         time.sleep(0.05)
     reasons: dict[int, str | None] = {}
@@ -78,10 +84,13 @@ def take_stacks(targets: dict[int, tuple[int, Path]], wait_seconds: float) -> di
             reasons[rank] = None
             continue
         state = process_state(pid)
-        why = (f"no stack: process {pid} is {_CANNOT_ANSWER[state]}, so it could not run its stack dump"
-               if state in _CANNOT_ANSWER else
-               "no stack: the process is gone" if state is None else
-               f"no stack: process {pid} (state {state}) did not answer within {wait_seconds:g} s")
+        why = (
+            f"no stack: process {pid} is {_CANNOT_ANSWER[state]}, so it could not run its stack dump"
+            if state in _CANNOT_ANSWER
+            else "no stack: the process is gone"
+            if state is None
+            else f"no stack: process {pid} (state {state}) did not answer within {wait_seconds:g} s"
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(why + "\n")
         reasons[rank] = why

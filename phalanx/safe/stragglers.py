@@ -76,10 +76,13 @@ class StragglerDetector:
             medians = [mine]
         values = [m.item() for m in medians]
         fastest = min(values)
-        return [{"rank": r, "node": self.nodes[r], "median_compute_s": v, "score": fastest / v if v else 1.0}
-                for r, v in enumerate(values)]
+        return [
+            {"rank": r, "node": self.nodes[r], "median_compute_s": v, "score": fastest / v if v else 1.0}
+            for r, v in enumerate(values)
+        ]
 
     def stragglers(self, scores: list[dict]) -> list[dict]:
         fastest = min(s["median_compute_s"] for s in scores)
-        return [s for s in scores
-                if s["score"] < self.threshold and s["median_compute_s"] - fastest >= self.min_seconds]
+        return [
+            s for s in scores if s["score"] < self.threshold and s["median_compute_s"] - fastest >= self.min_seconds
+        ]

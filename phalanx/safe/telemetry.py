@@ -26,8 +26,14 @@ from phalanx.run.jsonl import append_line, json_safe
 from phalanx.run.layout import RunDir
 from phalanx.run.records import EventSink
 
-DEVICE_FIELDS = ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",
-                 "ecc_uncorrectable")
+DEVICE_FIELDS = (
+    "utilization_ratio",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "temperature_c",
+    "power_w",
+    "ecc_uncorrectable",
+)
 # An alert re-arms only once its reading is back this far inside the limit (a fraction of the limit),
 # so a reading hovering at the limit (cached GPU memory near full) is one alert, not one per sample.
 REARM_MARGIN = 0.02
@@ -47,15 +53,25 @@ def device_sample() -> list[dict[str, Any]]:
     out = []
     for d in devices:
         used, total = d.get("memory_used_bytes"), d.get("memory_total_bytes")
-        out.append({"device": d["index"], **{k: d.get(k) for k in DEVICE_FIELDS},
-                    "memory_ratio": used / total if used is not None and total else None})
+        out.append(
+            {
+                "device": d["index"],
+                **{k: d.get(k) for k in DEVICE_FIELDS},
+                "memory_ratio": used / total if used is not None and total else None,
+            }
+        )
     return out
 
 
 def host_sample(path: Path) -> dict[str, Any]:
     memory, disk = psutil.virtual_memory(), psutil.disk_usage(str(path))
-    return {"cpu_ratio": psutil.cpu_percent(interval=None) / 100, "memory_used_bytes": memory.total - memory.available,
-            "memory_total_bytes": memory.total, "disk_free_bytes": disk.free, "load1": os.getloadavg()[0]}
+    return {
+        "cpu_ratio": psutil.cpu_percent(interval=None) / 100,
+        "memory_used_bytes": memory.total - memory.available,
+        "memory_total_bytes": memory.total,
+        "disk_free_bytes": disk.free,
+        "load1": os.getloadavg()[0],
+    }
 
 
 class TelemetrySampler:
@@ -70,7 +86,7 @@ class TelemetrySampler:
         self._thread = threading.Thread(target=self._loop, name="phalanx-telemetry", daemon=True)
         psutil.cpu_percent(interval=None)  # the first reading only starts psutil's CPU window
 
-    def start(self) -> "TelemetrySampler":
+    def start(self) -> TelemetrySampler:
         self._thread.start()
         return self
 
@@ -89,8 +105,7 @@ class TelemetrySampler:
                     warned = True
 
     def sample(self) -> dict[str, Any]:
-        record = {"time": time.time(), "node": self.node, "host": host_sample(self.run_dir),
-                  "devices": device_sample()}
+        record = {"time": time.time(), "node": self.node, "host": host_sample(self.run_dir), "devices": device_sample()}
         self.latest = record
         self._check_alerts(record)  # first: a full disk must still raise its alert
         append_line(RunDir(self.run_dir).telemetry, json.dumps(json_safe(record)))
@@ -99,9 +114,15 @@ class TelemetrySampler:
     def _check_alerts(self, record: dict[str, Any]) -> None:
         """An event when a reading crosses its threshold; again only after it has come back."""
         o, host = self.observe, record["host"]
-        readings = [("host_memory_ratio", None, host["memory_used_bytes"] / host["memory_total_bytes"],
-                     o.alert_host_memory_ratio),
-                    ("disk_free_gib", None, -host["disk_free_bytes"] / 2**30, -o.alert_disk_free_gib)]
+        readings = [
+            (
+                "host_memory_ratio",
+                None,
+                host["memory_used_bytes"] / host["memory_total_bytes"],
+                o.alert_host_memory_ratio,
+            ),
+            ("disk_free_gib", None, -host["disk_free_bytes"] / 2**30, -o.alert_disk_free_gib),
+        ]
         for d in record["devices"]:
             if d.get("temperature_c") is not None:
                 readings.append(("device_temperature_c", d["device"], d["temperature_c"], o.alert_device_temp_c))
@@ -114,7 +135,8 @@ class TelemetrySampler:
             # Lower-is-worse readings (free disk) are negated above so that every check is `value > limit`.
             if value > limit and key not in self._alerting:
                 self._alerting.add(key)
-                self.events.emit("telemetry_alert", metric=metric, device=device, value=abs(value),
-                                 threshold=abs(limit))
+                self.events.emit(
+                    "telemetry_alert", metric=metric, device=device, value=abs(value), threshold=abs(limit)
+                )
             elif value <= limit - REARM_MARGIN * abs(limit):
                 self._alerting.discard(key)

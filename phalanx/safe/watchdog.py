@@ -66,8 +66,10 @@ class HangDetector:
             if beat.step != self._seen_steps.get(beat.local_rank) and beat.last_step_seconds > 0:
                 self._seen_steps[beat.local_rank] = beat.step
                 self.step_times.append(beat.last_step_seconds)
-        stalls = [Stall(b.local_rank, b.step, b.phase, now - (b.time or self._attempt_start), self.limit(b),
-                        b.progress) for b in beats]
+        stalls = [
+            Stall(b.local_rank, b.step, b.phase, now - (b.time or self._attempt_start), self.limit(b), b.progress)
+            for b in beats
+        ]
         return stalls if any(s.stalled_for > s.limit for s in stalls) else []
 
 

@@ -20,9 +20,19 @@ from phalanx.train.optim import build_optimizer
 from phalanx.train.step import train_step
 
 
-def run_bench(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: int, *, device: str = "auto",
-              dtype: str = "auto", compile: bool = False, activation_checkpointing: bool = False,
-              peak: float | None = None) -> dict[str, Any]:
+def run_bench(
+    preset: str,
+    seq_len: int,
+    micro_batch: int,
+    steps: int,
+    warmup: int,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    compile: bool = False,
+    activation_checkpointing: bool = False,
+    peak: float | None = None,
+) -> dict[str, Any]:
     dev = pick_device(device)
     args = model_args(ModelSection(preset=preset), seq_len=seq_len)
     train = TrainSection(seq_len=seq_len, micro_batch_size=micro_batch, global_batch_size=micro_batch)
@@ -31,16 +41,24 @@ def run_bench(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: i
         model = Transformer(args)
     cdtype = compute_dtype(dtype, dev)
     env = DistEnv(0, 1, 0, dev, None)
-    model = parallelize(model, "none", env, activation_checkpointing=activation_checkpointing, compile=compile,
-                        dtype=cdtype)
+    model = parallelize(
+        model, "none", env, activation_checkpointing=activation_checkpointing, compile=compile, dtype=cdtype
+    )
     optimizer = build_optimizer(model, train)
     params = [p for p in model.parameters() if p.requires_grad]
     tokens = torch.randint(0, args.vocab_size, (micro_batch, seq_len + 1), device=dev)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     def step() -> None:
-        train_step(model, optimizer, params, [(inputs, targets)], device=dev, grad_clip=train.grad_clip,
-                   autocast=lambda: torch.autocast(dev.type, dtype=cdtype, enabled=cdtype != torch.float32))
+        train_step(
+            model,
+            optimizer,
+            params,
+            [(inputs, targets)],
+            device=dev,
+            grad_clip=train.grad_clip,
+            autocast=lambda: torch.autocast(dev.type, dtype=cdtype, enabled=cdtype != torch.float32),
+        )
 
     times = []
     for i in range(warmup + steps):
@@ -56,11 +74,21 @@ def run_bench(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: i
     peak = peak or peak_tflops(device_name(dev))
     tflops = achieved_tflops(tps, fpt)
     return {
-        "preset": preset, "params": count_params(args), "device": device_name(dev), "dtype": str(cdtype),
-        "seq_len": seq_len, "micro_batch": micro_batch, "compile": compile,
-        "activation_checkpointing": activation_checkpointing, "timed_steps": steps,
-        "median_step_seconds": median, "tokens_per_sec": tps, "flops_per_token": fpt,
-        "achieved_tflops": tflops, "peak_tflops": peak, "mfu": mfu(tps, fpt, peak),
-        "peak_mem_gib": peak_memory_gib(dev), "torch": torch.__version__,
+        "preset": preset,
+        "params": count_params(args),
+        "device": device_name(dev),
+        "dtype": str(cdtype),
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "compile": compile,
+        "activation_checkpointing": activation_checkpointing,
+        "timed_steps": steps,
+        "median_step_seconds": median,
+        "tokens_per_sec": tps,
+        "flops_per_token": fpt,
+        "achieved_tflops": tflops,
+        "peak_tflops": peak,
+        "mfu": mfu(tps, fpt, peak),
+        "peak_mem_gib": peak_memory_gib(dev),
+        "torch": torch.__version__,
     }
-

@@ -41,7 +41,6 @@ from phalanx.run.layout import TRAINER_STATE, step_dir_name
 from phalanx.run.safe_dcp import METADATA_FILE, UnsafeCheckpointError, read_metadata_file, safe_load
 from phalanx.train.checkpoint_space import disk_full_line, is_disk_full, needed_bytes, state_dict_bytes
 
-
 # The optimizer's hyperparameters are stored per parameter name ("param_groups.<fqn>.lr"), not as each
 # rank's list of groups: pipeline stages hold different parameters, and DCP keeps one rank's copy of a
 # non-tensor item, so per-rank group lists would lose the other stages' parameters on a reshard.
@@ -94,8 +93,9 @@ class Checkpointer:
         # so they never interleave with the training's collectives on the default group.
         self._group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
 
-    def start(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-              storage_writer=None) -> str | None:
+    def start(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], storage_writer=None
+    ) -> str | None:
         """Begin saving step `step`; the reason it could not begin (the same on every rank), else None.
         A save still pending is finished first: call finish() before to learn how it ended."""
         assert self.pending is None, "finish() the previous save first"
@@ -117,8 +117,12 @@ class Checkpointer:
         try:
             torch.save(rng_state(self.env.device), tmp / f"rng_rank{self.env.rank}.pt")
             if self.asynchronous:
-                future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
-                                        storage_writer=storage_writer, process_group=self._group)
+                future = dcp.async_save(
+                    {"model": model_sd, "optim": optim_sd},
+                    checkpoint_id=tmp,
+                    storage_writer=storage_writer,
+                    process_group=self._group,
+                )
             else:
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, storage_writer=storage_writer)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -149,8 +153,9 @@ class Checkpointer:
         if (error := _agree(error)) is None:
             error = self._publish(pending)
         stall = pending.stall + (time.perf_counter() - stalled if pending.future is not None and wait else 0.0)
-        return SaveOutcome(pending.step, pending.final if error is None else error,
-                           time.perf_counter() - pending.started, stall)
+        return SaveOutcome(
+            pending.step, pending.final if error is None else error, time.perf_counter() - pending.started, stall
+        )
 
     def _publish(self, pending: _Pending) -> str | None:
         """Manifest (every rank hashes its share of the files), trainer state, atomic rename, rotation."""
@@ -186,8 +191,9 @@ class Checkpointer:
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-             storage_writer=None) -> Path | str:
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], storage_writer=None
+    ) -> Path | str:
         """A whole save at once (waiting for the writes even in async mode): its path, or why it failed."""
         error = self.start(step, model, optimizer, state, storage_writer)
         return error if error is not None else self.finish(wait=True).result
@@ -226,7 +232,7 @@ def hash_files(path: Path, env: DistEnv) -> dict[str, dict]:
     """Manifest entries of every file in `path`, each rank hashing its share (every world_size-th file)
     in parallel, gathered on all ranks: hashing a large checkpoint never waits on one rank."""
     names = sorted(f.name for f in path.iterdir() if f.is_file())
-    mine = {name: file_entry(path / name) for name in names[env.rank::env.world_size]}
+    mine = {name: file_entry(path / name) for name in names[env.rank :: env.world_size]}
     if not dist.is_initialized():
         return mine
     parts: list[dict] = [{}] * dist.get_world_size()

@@ -111,8 +111,10 @@ def low_space_warning(root: Path, n_params: int | None) -> str | None:
     needed, free = needed_bytes(root, n_params), free_bytes(root)
     if needed is None or free is None or free >= needed[0]:
         return None
-    return (f"only {human(free)} free at {root}, less than one checkpoint ({human(needed[0])}, {needed[1]}): "
-            "saves will fail, and a run whose last save fails ends with exit code 8")
+    return (
+        f"only {human(free)} free at {root}, less than one checkpoint ({human(needed[0])}, {needed[1]}): "
+        "saves will fail, and a run whose last save fails ends with exit code 8"
+    )
 
 
 def human(n: float) -> str:

@@ -22,8 +22,9 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
         dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32 or bfloat16."),
         compile: bool = typer.Option(False, "--compile", help="torch.compile each block."),
-        activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing",
-                                                      help="Recompute each block in backward."),
+        activation_checkpointing: bool = typer.Option(
+            False, "--activation-checkpointing", help="Recompute each block in backward."
+        ),
         peak_tflops: Optional[float] = typer.Option(None, "--peak-tflops", help="Device peak, for MFU on CPUs."),
         json_out: bool = JsonOpt,
     ) -> None:
@@ -37,9 +38,21 @@ def register(app: typer.Typer) -> None:
         from phalanx.train.bench import run_bench
 
         if device not in ("auto", "cpu", "cuda") or dtype not in ("auto", "float32", "bfloat16"):
-            raise PhalanxError(f"--device must be auto|cpu|cuda and --dtype auto|float32|bfloat16 (got {device}, {dtype})")
-        result = run_bench(preset, seq_len, micro_batch, steps, warmup, device=device, dtype=dtype, compile=compile,
-                           activation_checkpointing=activation_checkpointing, peak=peak_tflops)
+            raise PhalanxError(
+                f"--device must be auto|cpu|cuda and --dtype auto|float32|bfloat16 (got {device}, {dtype})"
+            )
+        result = run_bench(
+            preset,
+            seq_len,
+            micro_batch,
+            steps,
+            warmup,
+            device=device,
+            dtype=dtype,
+            compile=compile,
+            activation_checkpointing=activation_checkpointing,
+            peak=peak_tflops,
+        )
         if json_out:
             print(json.dumps(result))
         else:

@@ -16,15 +16,25 @@ from phalanx.parallel.distributed import DistEnv, all_reduce_sum
 
 
 class Evaluator:
-    def __init__(self, dataset: TokenDataset, train: TrainSection, env: DistEnv,
-                 autocast: Callable[[], AbstractContextManager], pipeline=None,
-                 shard: Callable[[torch.Tensor], torch.Tensor] = lambda tokens: tokens):
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        train: TrainSection,
+        env: DistEnv,
+        autocast: Callable[[], AbstractContextManager],
+        pipeline=None,
+        shard: Callable[[torch.Tensor], torch.Tensor] = lambda tokens: tokens,
+    ):
         """`pipeline` (parallel/pipeline.py's Pipeline) runs the forwards through the pipeline stages;
         `shard` keeps this rank's tokens of each sequence (context parallelism; token counts stay exact)."""
         # The same windows on any rank count (train.eval_windows), in forwards of a training micro batch.
         micro = train.micro_batch(env.dp_world)
-        self.batches = [(shard(x.to(env.device)), shard(y.to(env.device))) for x, y in val_batches(
-            dataset, train.seq_len, micro, math.ceil(train.eval_windows / micro), env.dp_rank, env.dp_world)]
+        self.batches = [
+            (shard(x.to(env.device)), shard(y.to(env.device)))
+            for x, y in val_batches(
+                dataset, train.seq_len, micro, math.ceil(train.eval_windows / micro), env.dp_rank, env.dp_world
+            )
+        ]
         # Ranks may hold unequal numbers of batches, yet all must run the same number of forwards: FSDP
         # all-gathers parameters inside each one. Ranks short of batches run a throw-away forward.
         windows = min(len(dataset), train.eval_windows)

@@ -90,8 +90,13 @@ def choose_interval(snapshot_seconds: float, step_seconds: float, budget: float 
 def _spec(value: Any) -> list | None:
     """What must match between a saved tensor and the one it is loaded into."""
     if isinstance(value, DTensor):
-        return [list(value.shape), str(value.placements), list(value.device_mesh.shape),
-                list(value.to_local().shape), str(value.dtype)]
+        return [
+            list(value.shape),
+            str(value.placements),
+            list(value.device_mesh.shape),
+            list(value.to_local().shape),
+            str(value.dtype),
+        ]
     if isinstance(value, torch.Tensor):
         return [list(value.shape), None, None, list(value.shape), str(value.dtype)]
     return None
@@ -150,8 +155,9 @@ class MemorySnapshots:
     """One rank's in-memory checkpoints. `due`/`take` in the training loop, `resume` at start, `close`
     at the end. `interval` is an int (0: off) or "auto"."""
 
-    def __init__(self, run_dir: Path, env: DistEnv, layout: dict[str, Any], interval: int | str,
-                 say: Callable[[str], None]):
+    def __init__(
+        self, run_dir: Path, env: DistEnv, layout: dict[str, Any], interval: int | str, say: Callable[[str], None]
+    ):
         self.env, self.say = env, say
         self.record = {"world_size": env.world_size, "layout": layout}
         self.dir = launch_dir(run_dir, owner_pid()) / f"rank_{env.rank}"
@@ -172,8 +178,11 @@ class MemorySnapshots:
             self._held = self._scan()  # a restarted rank's slots hold the previous attempt's snapshots
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="phalanx-snapshot", initializer=_lower_priority)
         # Across nodes, each snapshot is copied to a rank on the next node too (peer_snapshots.py).
-        self.peer = PeerCopies(self.dir.parent, env.rank, env.world_size, say) \
-            if self._writer is not None and spans_nodes(env.world_size) else None
+        self.peer = (
+            PeerCopies(self.dir.parent, env.rank, env.world_size, say)
+            if self._writer is not None and spans_nodes(env.world_size)
+            else None
+        )
 
     def due(self, step: int) -> bool:
         """The same answer on every rank (a rank whose writes failed still calls take(), which then only
@@ -183,8 +192,13 @@ class MemorySnapshots:
         return self.interval is None or step % self.interval == 0
 
     # -- taking -----------------------------------------------------------------------------------
-    def take(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any],
-             ) -> float:
+    def take(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+    ) -> float:
         """Copy this rank's state of `step` into a slot and hand its sealing (CRC, sidecar) to the writer;
         the seconds the training thread stood still for it (a previous seal still running included)."""
         t0 = time.perf_counter()
@@ -194,9 +208,11 @@ class MemorySnapshots:
             return self.waited
         model_sd = model.state_dict()
         optim = {key: box[name] for key, box, name in _optim_entries(optimizer)}
-        tensors = {**{f"model.{k}": _local(v) for k, v in model_sd.items()},
-                   **{f"optim.{k}": _local(v) for k, v in optim.items() if isinstance(v, torch.Tensor)},
-                   **{f"rng.{k}": v for k, v in rng_state(self.env.device).items()}}
+        tensors = {
+            **{f"model.{k}": _local(v) for k, v in model_sd.items()},
+            **{f"optim.{k}": _local(v) for k, v in optim.items() if isinstance(v, torch.Tensor)},
+            **{f"rng.{k}": v for k, v in rng_state(self.env.device).items()},
+        }
         try:
             entries, size = plan_layout(tensors)
             if size != self._size and not self._prepare(size):
@@ -205,12 +221,21 @@ class MemorySnapshots:
             with torch.no_grad():
                 for entry, value in zip(entries, tensors.values()):
                     slot.view(entry).copy_(value.detach(), non_blocking=value.device.type == "cuda")
-            sidecar = {"format": FORMAT, "step": step, "rank": self.env.rank, **self.record, "slot": index,
-                       "bytes": size, "tensors": [e.as_json() for e in entries],
-                       "specs": {**{f"model.{k}": _spec(v) for k, v in model_sd.items()},
-                                 **{f"optim.{k}": _spec(v) for k, v in optim.items()}},
-                       "values": {k: _encode(v) for k, v in optim.items() if not isinstance(v, torch.Tensor)},
-                       "trainer": json.dumps({**trainer_state, "step": step})}  # exactly what trainer.json holds
+            sidecar = {
+                "format": FORMAT,
+                "step": step,
+                "rank": self.env.rank,
+                **self.record,
+                "slot": index,
+                "bytes": size,
+                "tensors": [e.as_json() for e in entries],
+                "specs": {
+                    **{f"model.{k}": _spec(v) for k, v in model_sd.items()},
+                    **{f"optim.{k}": _spec(v) for k, v in optim.items()},
+                },
+                "values": {k: _encode(v) for k, v in optim.items() if not isinstance(v, torch.Tensor)},
+                "trainer": json.dumps({**trainer_state, "step": step}),
+            }  # exactly what trainer.json holds
         except (OSError, RuntimeError, TypeError, ValueError) as exc:  # /dev/shm full or gone, most likely
             self._stop(exc)
             return time.perf_counter() - t0
@@ -230,9 +255,11 @@ class MemorySnapshots:
         free = shutil.disk_usage(self.dir).free + taken
         if free < SLOTS * size:
             self.failed = True
-            self.say(f"warning: rank {self.env.rank}: no in-memory snapshots: {self.dir.parent.parent} has "
-                     f"{free / 2**20:,.0f} MiB free, {SLOTS} snapshots of this rank need "
-                     f"{SLOTS * size / 2**20:,.0f} MiB; restarts resume from disk checkpoints")
+            self.say(
+                f"warning: rank {self.env.rank}: no in-memory snapshots: {self.dir.parent.parent} has "
+                f"{free / 2**20:,.0f} MiB free, {SLOTS} snapshots of this rank need "
+                f"{SLOTS * size / 2**20:,.0f} MiB; restarts resume from disk checkpoints"
+            )
             return False
         for index in range(SLOTS):
             path = self.dir / f"slot_{index}.bin"
@@ -287,8 +314,10 @@ class MemorySnapshots:
     def _stop(self, exc: BaseException) -> None:
         self.failed = True
         reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
-        self.say(f"warning: rank {self.env.rank}: in-memory snapshots stop: cannot write to {self.dir} "
-                 f"({reason}); restarts resume from disk checkpoints")
+        self.say(
+            f"warning: rank {self.env.rank}: in-memory snapshots stop: cannot write to {self.dir} "
+            f"({reason}); restarts resume from disk checkpoints"
+        )
 
     def measured(self, blocked: float, step_seconds: float, warm: bool) -> dict[str, float] | None:
         """`auto`: record one snapshot's cost against its step's time (warm: not the first step after a
@@ -308,10 +337,14 @@ class MemorySnapshots:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             interval = int(t.item())
         self.interval = interval
-        return {"interval": interval, "snapshot_ms": cost * 1000, "step_ms": step * 1000,
-                "percent": 100 * cost / step if step else 0.0,
-                # of snapshot_ms, waiting for the previous snapshot's write (the writer is behind)
-                "write_wait_ms": statistics.median(w for _, _, w in self.probes) * 1000}
+        return {
+            "interval": interval,
+            "snapshot_ms": cost * 1000,
+            "step_ms": step * 1000,
+            "percent": 100 * cost / step if step else 0.0,
+            # of snapshot_ms, waiting for the previous snapshot's write (the writer is behind)
+            "write_wait_ms": statistics.median(w for _, _, w in self.probes) * 1000,
+        }
 
     # -- resuming ---------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -334,12 +367,14 @@ class MemorySnapshots:
                 ignored.setdefault(f"taken under {mismatch}, this group has {ours}", []).append(step)
             else:
                 good.append(step)
-        notes = [f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}: {why}"
-                 for why, steps in ignored.items()]
+        notes = [
+            f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}: {why}" for why, steps in ignored.items()
+        ]
         return good, notes
 
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, newer_than: int,
-               model_args: dict[str, Any]) -> Loaded | None:
+    def resume(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, newer_than: int, model_args: dict[str, Any]
+    ) -> Loaded | None:
         """Load the newest step that every rank has a sound snapshot of, if newer than `newer_than` (the
         disk checkpoint's step); None to resume from disk. Collective; the same answer on every rank."""
         if self._writer is None:
@@ -374,27 +409,34 @@ class MemorySnapshots:
                 if any(e and e.startswith("applying") for e in errors):
                     # Some ranks hold part of it now: drop it so the restart does not try it again.
                     self._drop(step)
-                    raise RuntimeError(f"in-memory snapshot of step {step} could not be applied: "
-                                       f"{next(e for e in errors if e)}")
+                    raise RuntimeError(
+                        f"in-memory snapshot of step {step} could not be applied: {next(e for e in errors if e)}"
+                    )
             if self.env.is_main:
                 reasons = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
-                self.say(f"warning: in-memory snapshot of step {step} is unusable ({reasons}); trying an "
-                         f"older one")
+                self.say(f"warning: in-memory snapshot of step {step} is unusable ({reasons}); trying an older one")
         return None
 
     def _read(self, step: int) -> dict[str, Any]:
         """The snapshot of `step` as views into its slot, after checking its sidecar and the slot's CRC."""
         side = json.loads(sidecar_path(self.dir, step).read_text())
-        if side.get("format") != FORMAT or side.get("step") != step or side.get("rank") != self.env.rank \
-                or side.get("slot") not in range(SLOTS):
+        if (
+            side.get("format") != FORMAT
+            or side.get("step") != step
+            or side.get("rank") != self.env.rank
+            or side.get("slot") not in range(SLOTS)
+        ):
             raise ValueError(f"{sidecar_path(self.dir, step).name} is not this rank's snapshot of step {step}")
         slot = Slot(self.dir / f"slot_{side['slot']}.bin", int(side["bytes"]), create=False)
         if slot.crc32() != side.get("crc32"):
-            raise ValueError(f"slot {side['slot']} does not match the CRC-32 recorded for step {step} "
-                             "(torn or overwritten)")
+            raise ValueError(
+                f"slot {side['slot']} does not match the CRC-32 recorded for step {step} (torn or overwritten)"
+            )
         views = {e.key: slot.view(e) for e in entries_from_json(side["tensors"], slot.nbytes)}
-        part = {prefix: {k[len(prefix) + 1:]: v for k, v in views.items() if k.startswith(prefix + ".")}
-                for prefix in ("model", "optim", "rng")}
+        part = {
+            prefix: {k[len(prefix) + 1 :]: v for k, v in views.items() if k.startswith(prefix + ".")}
+            for prefix in ("model", "optim", "rng")
+        }
         part["optim"].update({k: _decode(v) for k, v in side["values"].items()})
         part["rng"] = {k: v.clone() for k, v in part["rng"].items()}  # torch's generators take no views
         return {**part, "specs": side["specs"], "trainer": side["trainer"]}
@@ -406,8 +448,9 @@ class MemorySnapshots:
         model_sd = model.state_dict()  # detached views of the parameters and buffers: copy_ writes them
         entries = {key: (box, name) for key, box, name in _optim_entries(optimizer)}
         optim_sd = {key: box[name] for key, (box, name) in entries.items()}
-        error = _mismatch(model_sd, payload["model"], payload["specs"], "model") or \
-            _mismatch(optim_sd, payload["optim"], payload["specs"], "optim")
+        error = _mismatch(model_sd, payload["model"], payload["specs"], "model") or _mismatch(
+            optim_sd, payload["optim"], payload["specs"], "optim"
+        )
         if error is not None:
             return error
         with torch.no_grad():
@@ -440,8 +483,10 @@ class MemorySnapshots:
             f.write(memoryview(data.numpy()))
         write_sidecar(self.dir, step, json.dumps({**sidecar, "slot": index}))
         self._held[index] = step
-        self.say(f"rank {self.env.rank}: restored its snapshot of step {step} from the peer copy held by "
-                 f"rank {self.peer.holder(self.env.rank)}")
+        self.say(
+            f"rank {self.env.rank}: restored its snapshot of step {step} from the peer copy held by "
+            f"rank {self.peer.holder(self.env.rank)}"
+        )
 
     def _drop(self, step: int) -> None:
         """Forget the snapshot of `step`: its slot is free for the next one."""

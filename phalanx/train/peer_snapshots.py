@@ -88,8 +88,8 @@ class PeerCopies:
                 return False
             side = json.dumps(sidecar).encode()
             payload = torch.empty(flat.numel() + len(side), dtype=torch.uint8)
-            payload[:flat.numel()].copy_(flat)  # its own buffer: the slot is reused two snapshots later
-            payload[flat.numel():] = torch.frombuffer(bytearray(side), dtype=torch.uint8)
+            payload[: flat.numel()].copy_(flat)  # its own buffer: the slot is reused two snapshots later
+            payload[flat.numel() :] = torch.frombuffer(bytearray(side), dtype=torch.uint8)
             self._next, self._busy = (step, flat.numel(), payload), True
             self._wake.notify_all()
             return True
@@ -107,8 +107,9 @@ class PeerCopies:
                     return
                 step, nbytes, payload = job
                 t0 = time.perf_counter()
-                dist.send(torch.tensor([step, nbytes, payload.numel()], dtype=torch.int64), self.target,
-                          group=self.group)
+                dist.send(
+                    torch.tensor([step, nbytes, payload.numel()], dtype=torch.int64), self.target, group=self.group
+                )
                 dist.send(payload, self.target, group=self.group)
                 self.sent.append((step, time.perf_counter() - t0))
             except RuntimeError:  # (DistBackendError) the peer is gone: training fails too, the agent restarts us
@@ -132,11 +133,14 @@ class PeerCopies:
             except RuntimeError:  # (DistBackendError) the source is gone (its node lost): what we hold for it stays
                 return
             try:
-                store(peer_dir(self.launch, self.source), step, payload[:nbytes],
-                      bytes(payload[nbytes:].numpy()).decode())
+                store(
+                    peer_dir(self.launch, self.source), step, payload[:nbytes], bytes(payload[nbytes:].numpy()).decode()
+                )
             except OSError as exc:  # /dev/shm full: the copy is lost, training goes on
-                self.say(f"warning: rank {self.rank}: cannot keep rank {self.source}'s peer copy of step "
-                         f"{step} ({exc.strerror or exc})")
+                self.say(
+                    f"warning: rank {self.rank}: cannot keep rank {self.source}'s peer copy of step "
+                    f"{step} ({exc.strerror or exc})"
+                )
 
     def close(self) -> None:
         """Stop both threads (the peer's receiver is told by our sender); nothing is sent after this."""
@@ -180,8 +184,10 @@ class PeerCopies:
             header = torch.zeros(2, dtype=torch.int64)
             dist.recv(header, self.holder(self.rank), group=self.group)
             if int(header[0]) < 0:
-                self.say(f"warning: rank {self.rank}: the peer copy of step {step} held by rank "
-                         f"{self.holder(self.rank)} is gone; not used")
+                self.say(
+                    f"warning: rank {self.rank}: the peer copy of step {step} held by rank "
+                    f"{self.holder(self.rank)} is gone; not used"
+                )
                 for work in works:
                     work.wait()
                 return None
@@ -191,8 +197,10 @@ class PeerCopies:
             sidecar = json.loads(bytes(payload[nbytes:].numpy()).decode())
             data = payload[:nbytes]
             if zlib.crc32(memoryview(data.numpy())) != sidecar.get("crc32") or sidecar.get("step") != step:
-                self.say(f"warning: rank {self.rank}: the peer copy of step {step} held by rank "
-                         f"{self.holder(self.rank)} does not match its CRC-32; not used")
+                self.say(
+                    f"warning: rank {self.rank}: the peer copy of step {step} held by rank "
+                    f"{self.holder(self.rank)} does not match its CRC-32; not used"
+                )
             else:
                 mine = (step, data, sidecar)
         for work in works:

@@ -48,15 +48,14 @@ class ProgressLine:
         )
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
 
-    def __enter__(self) -> "ProgressLine":
+    def __enter__(self) -> ProgressLine:
         self._progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._progress.stop()
 
-    def update(self, step: int, loss: float, tokens_per_sec: float, val_loss: float | None,
-               last: bool = False) -> None:
+    def update(self, step: int, loss: float, tokens_per_sec: float, val_loss: float | None, last: bool = False) -> None:
         info = f"loss {loss:.4f}  {tokens_per_sec:,.0f} tok/s"
         if val_loss is not None:
             info += f"  val {val_loss:.4f}"

@@ -68,8 +68,7 @@ class ResumePoint:
         """One line for the console: where from, and why that one."""
         if self.source == "memory":
             disk = f"step {checkpoint_step_of(self.newest_on_disk)}" if self.newest_on_disk else "none"
-            return (f"resuming from the in-memory snapshot of step {self.step} (newest checkpoint on disk: "
-                    f"{disk})")
+            return f"resuming from the in-memory snapshot of step {self.step} (newest checkpoint on disk: {disk})"
         if self.source == "disk":
             return f"resuming from step {self.step} (checkpoint {self.loaded_from})"
         return "starting at step 0 (no checkpoint to resume from)"
@@ -79,9 +78,17 @@ def checkpoint_step_of(path: Path) -> int:
     return int(read_trainer_state(path)["step"])
 
 
-def resume_point(config: Config, env: DistEnv, events: JsonlEventSink | None, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, checkpointer: Checkpointer, snapshots: MemorySnapshots,
-                 model_shape: dict[str, Any], heartbeat: Heartbeat) -> ResumePoint:
+def resume_point(
+    config: Config,
+    env: DistEnv,
+    events: JsonlEventSink | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    checkpointer: Checkpointer,
+    snapshots: MemorySnapshots,
+    model_shape: dict[str, Any],
+    heartbeat: Heartbeat,
+) -> ResumePoint:
     """Decide where this attempt resumes (the module's order) and load it into `model` and `optimizer`
     (and the RNG). Collective: every rank calls it and gets the same answer."""
     disk = resume_path(config, env, events)
@@ -126,13 +133,18 @@ def resume_path(config: Config, env: DistEnv, events: JsonlEventSink | None = No
             _warn(f"{path} has no manifest (a save never finishes without one); it is skipped")
             if events is not None:
                 events.emit("checkpoint_incomplete", rank=0, path=str(path))
-    found: list[Any] = [newest_valid_checkpoint(root, report if env.is_main else None,
-                                                verify=lambda path: verify_in_parallel(path, env))]
+    found: list[Any] = [
+        newest_valid_checkpoint(
+            root, report if env.is_main else None, verify=lambda path: verify_in_parallel(path, env)
+        )
+    ]
     if env.is_main and found[0] is None:
         found[0] = explicit_checkpoint(config)
         if found[0] is None and corrupt and config.checkpoint.resume != "never":
-            raise PhalanxError(f"no sound checkpoint is left to resume from ({'; '.join(corrupt)}); set "
-                               "checkpoint.resume=never to start over from step 0")
+            raise PhalanxError(
+                f"no sound checkpoint is left to resume from ({'; '.join(corrupt)}); set "
+                "checkpoint.resume=never to start over from step 0"
+            )
     if env.distributed:
         dist.broadcast_object_list(found, src=0)
     return found[0]

@@ -23,8 +23,21 @@ from pathlib import Path
 import torch
 
 ALIGN = 64  # every tensor starts on a cache line: view(dtype) needs its alignment, copies like 64
-DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+DTYPES = {
+    str(t): t
+    for t in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +95,7 @@ class Slot:
         self.flat = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def view(self, entry: Entry) -> torch.Tensor:
-        part = self.flat[entry.offset:entry.offset + entry.nbytes]
+        part = self.flat[entry.offset : entry.offset + entry.nbytes]
         return part.view(DTYPES[entry.dtype]).view(entry.shape)
 
     def crc32(self) -> int:

@@ -56,12 +56,21 @@ class StepOutcome:
     applied: bool  # whether the optimizer stepped
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
-               micro_batches: list[Batch], *, device: torch.device, grad_clip: float,
-               autocast: Callable[[], Any] = contextlib.nullcontext,
-               shard: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-               measure: Callable[[], Any] = contextlib.nullcontext, pipeline: Any = None, pp_group: Any = None,
-               hooks: StepHooks | None = None) -> StepOutcome:
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    micro_batches: list[Batch],
+    *,
+    device: torch.device,
+    grad_clip: float,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    shard: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    measure: Callable[[], Any] = contextlib.nullcontext,
+    pipeline: Any = None,
+    pp_group: Any = None,
+    hooks: StepHooks | None = None,
+) -> StepOutcome:
     """One step over this rank's micro-batches. shard: this rank's share of each sequence (context
     parallelism); measure: a context around this rank's own work (the straggler clock)."""
     hooks = hooks or StepHooks()
@@ -95,8 +104,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params:
     return StepOutcome(loss_sum, parts, grad_norm, applied)
 
 
-def _pipeline_forward_backward(micro_batches: list[Batch], device: torch.device, autocast: Callable[[], Any],
-                               measure: Callable[[], Any], pipeline: Any, hooks: StepHooks) -> tuple[torch.Tensor, int]:
+def _pipeline_forward_backward(
+    micro_batches: list[Batch],
+    device: torch.device,
+    autocast: Callable[[], Any],
+    measure: Callable[[], Any],
+    pipeline: Any,
+    hooks: StepHooks,
+) -> tuple[torch.Tensor, int]:
     """The schedule runs the step's whole share itself (split into parallel.pp_microbatches pieces): the
     sum of their mean losses on the last stage, else 0."""
     hooks.phase("forward")

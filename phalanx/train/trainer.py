@@ -103,39 +103,70 @@ class Trainer:
             check_pipeline(self.args, config.parallel, tc.micro_batch(env.dp_world))
         dtype = compute_dtype(tc.dtype, env.device)
         # Built on the meta device and materialised shard by shard: the same weights under any layout.
-        self.model = build_parallel_model(self.args, self.layout, mesh, env.device, seed=tc.seed,
-                                          activation_checkpointing=tc.activation_checkpointing, compile=tc.compile,
-                                          dtype=dtype, float8=tc.dtype == "float8",
-                                          pp_schedule=config.parallel.pp_schedule)
+        self.model = build_parallel_model(
+            self.args,
+            self.layout,
+            mesh,
+            env.device,
+            seed=tc.seed,
+            activation_checkpointing=tc.activation_checkpointing,
+            compile=tc.compile,
+            dtype=dtype,
+            float8=tc.dtype == "float8",
+            pp_schedule=config.parallel.pp_schedule,
+        )
         # Pipeline parallelism: the schedule runs this rank's stages; losses live on the last stage.
         self.pipeline, self.pp_group = None, None
         if self.layout.pp > 1:
             self.pp_group = mesh["pp"].get_group()
-            self.pipeline = Pipeline(self.model, config.parallel.pp_schedule,
-                                     microbatches(self.layout.pp, config.parallel.pp_microbatches), self.pp_group,
-                                     env.device)
+            self.pipeline = Pipeline(
+                self.model,
+                config.parallel.pp_schedule,
+                microbatches(self.layout.pp, config.parallel.pp_microbatches),
+                self.pp_group,
+                env.device,
+            )
         # Under FSDP the mixed-precision policy casts parameters; elsewhere autocast does.
         use_autocast = dtype != torch.float32 and not uses_fsdp(self.layout)
-        self.autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
+        self.autocast = (
+            (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
+        )
         self.optimizer = build_optimizer(self.model, tc)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
         check_batch_sizes(tc.global_batch_size, tc.micro_batch_size, env.dp_world)  # an elastic regroup, too
-        self.loader = BatchLoader(TokenDataset(data.train_shards, tc.seq_len), tc.seq_len, tc.global_batch_size,
-                                  tc.micro_batch(env.dp_world), env.dp_rank, env.dp_world, tc.seed,
-                                  pin_memory=env.device.type == "cuda")
-        self.evaluator = Evaluator(TokenDataset(data.val_shards, tc.seq_len), tc, env, self.autocast,
-                                   pipeline=self.pipeline, shard=self.split.shard)
-        self.checkpointer = Checkpointer(run.checkpoints, config.checkpoint.keep, env,
-                                         asynchronous=config.checkpoint.async_save)
+        self.loader = BatchLoader(
+            TokenDataset(data.train_shards, tc.seq_len),
+            tc.seq_len,
+            tc.global_batch_size,
+            tc.micro_batch(env.dp_world),
+            env.dp_rank,
+            env.dp_world,
+            tc.seed,
+            pin_memory=env.device.type == "cuda",
+        )
+        self.evaluator = Evaluator(
+            TokenDataset(data.val_shards, tc.seq_len),
+            tc,
+            env,
+            self.autocast,
+            pipeline=self.pipeline,
+            shard=self.split.shard,
+        )
+        self.checkpointer = Checkpointer(
+            run.checkpoints, config.checkpoint.keep, env, asynchronous=config.checkpoint.async_save
+        )
         self.guard = NumericsGuard(self.safe.spike_zscore, self.safe.spike_window)
-        self.snapshots = MemorySnapshots(run.path, env, dataclasses.asdict(self.layout),
-                                         config.checkpoint.memory_interval, say=self._say)
+        self.snapshots = MemorySnapshots(
+            run.path, env, dataclasses.asdict(self.layout), config.checkpoint.memory_interval, say=self._say
+        )
         self.clock = ComputeClock(env.device)
-        self.stragglers = StragglerDetector(self.safe.straggler_window, self.safe.straggler_threshold,
-                                            self.safe.straggler_min_ms / 1000, env)
-        self.faults = FaultInjector(self.safe.inject, env.rank, self.events, self.run_dir, self.heartbeat,
-                                    device=env.device)
+        self.stragglers = StragglerDetector(
+            self.safe.straggler_window, self.safe.straggler_threshold, self.safe.straggler_min_ms / 1000, env
+        )
+        self.faults = FaultInjector(
+            self.safe.inject, env.rank, self.events, self.run_dir, self.heartbeat, device=env.device
+        )
 
         self.tokens_per_step = tc.global_batch_size * tc.seq_len
         self.fpt = flops_per_token(self.args, tc.seq_len)
@@ -174,14 +205,25 @@ class Trainer:
                     continue
                 step_seconds = record["step_seconds"] = time.perf_counter() - t0
                 self.heartbeat.step_done(step, step_seconds)
-                self.rank_sink.write({"step": step, "rank": self.env.rank, "node": self.node,
-                                      "step_seconds": step_seconds, "compute_seconds": record["compute_seconds"],
-                                      "data_seconds": record.pop("data_seconds")})
+                self.rank_sink.write(
+                    {
+                        "step": step,
+                        "rank": self.env.rank,
+                        "node": self.node,
+                        "step_seconds": step_seconds,
+                        "compute_seconds": record["compute_seconds"],
+                        "data_seconds": record.pop("data_seconds"),
+                    }
+                )
                 if step > self.state.get("resumed_step", 0) + 1 or step == end_step:  # skip warm-up/compile
                     timed_steps, timed_seconds = timed_steps + 1, timed_seconds + step_seconds
                 tps = self.tokens_per_step / step_seconds
-                record.update(tokens_per_sec=tps, **self._device_rates(tps),
-                              peak_mem_gib=peak_memory_gib(self.env.device), tokens_seen=step * self.tokens_per_step)
+                record.update(
+                    tokens_per_sec=tps,
+                    **self._device_rates(tps),
+                    peak_mem_gib=peak_memory_gib(self.env.device),
+                    tokens_seen=step * self.tokens_per_step,
+                )
                 if step % tc.eval_interval == 0 or step == tc.max_steps:
                     record.update(self._evaluate(step))
                 if self.stragglers.due(step):
@@ -214,15 +256,32 @@ class Trainer:
             micro_batches = self.loader.next_batch()
         data_seconds = time.perf_counter() - t_data
         hooks = SupervisedStep(self, step)
-        train_step(self.model, self.optimizer, self.params, micro_batches, device=self.env.device,
-                   grad_clip=self.tc.grad_clip, autocast=self.autocast, shard=self.split.shard,
-                   measure=self.clock.measure, pipeline=self.pipeline, pp_group=self.pp_group, hooks=hooks)
+        train_step(
+            self.model,
+            self.optimizer,
+            self.params,
+            micro_batches,
+            device=self.env.device,
+            grad_clip=self.tc.grad_clip,
+            autocast=self.autocast,
+            shard=self.split.shard,
+            measure=self.clock.measure,
+            pipeline=self.pipeline,
+            pp_group=self.pp_group,
+            hooks=hooks,
+        )
         if hooks.rolled_back:
             return None
         self.state["train_loss"] = hooks.train_loss
-        return {"step": step, "loss": hooks.train_loss, "lr": lr, "grad_norm": hooks.grad_norm,
-                "compute_seconds": hooks.compute_seconds, "data_seconds": data_seconds,
-                **({"skipped": hooks.anomaly} if hooks.anomaly else {})}
+        return {
+            "step": step,
+            "loss": hooks.train_loss,
+            "lr": lr,
+            "grad_norm": hooks.grad_norm,
+            "compute_seconds": hooks.compute_seconds,
+            "data_seconds": data_seconds,
+            **({"skipped": hooks.anomaly} if hooks.anomaly else {}),
+        }
 
     # -- evaluation, checkpoints, recovery -----------------------------------------------------------
     def _evaluate(self, step: int) -> dict[str, Any]:
@@ -246,8 +305,9 @@ class Trainer:
         path = self.checkpointer.root / step_dir_name(step)
         for tries in range(2 if final else 1):  # the last save gets one retry: no later interval comes
             t0 = time.perf_counter()
-            error = self.checkpointer.start(step, self.model, self.optimizer, state,
-                                            storage_writer=self.faults.storage_writer(step, path))
+            error = self.checkpointer.start(
+                step, self.model, self.optimizer, state, storage_writer=self.faults.storage_writer(step, path)
+            )
             if error is None and self.checkpointer.asynchronous and not final:
                 return  # written in the background; published and reported by a later finish()
             outcome = self.checkpointer.finish(wait=True) if error is None else None
@@ -261,9 +321,13 @@ class Trainer:
     def _trainer_state(self) -> dict[str, Any]:
         """What a resume needs besides model, optimizer and RNG: a disk checkpoint's trainer.json and an
         in-memory snapshot hold this same dict (plus the step), so the two cannot drift apart."""
-        return {"loader": self.loader.state_dict(), "model_args": dataclasses.asdict(self.args),
-                "world_size": self.env.world_size, "numerics_recent": list(self.guard.recent),
-                **{k: self.state.get(k) for k in ("val_loss_start", "val_loss", "train_loss")}}
+        return {
+            "loader": self.loader.state_dict(),
+            "model_args": dataclasses.asdict(self.args),
+            "world_size": self.env.world_size,
+            "numerics_recent": list(self.guard.recent),
+            **{k: self.state.get(k) for k in ("val_loss_start", "val_loss", "train_loss")},
+        }
 
     def _snapshot(self, step: int, step_seconds: float) -> None:
         """An in-memory snapshot of `step` (memory_checkpoint.py); under `auto`, the first few measure
@@ -272,9 +336,11 @@ class Trainer:
         chosen = self.snapshots.measured(blocked, step_seconds, warm=step > self.state.get("resumed_step", 0) + 1)
         if chosen is not None:
             self._emit("memory_snapshot_interval", step=step, **chosen)
-            self.progress.log(f"in-memory snapshots every {chosen['interval']} step(s): one blocks "
-                              f"{chosen['snapshot_ms']:.1f} ms, {chosen['percent']:.2f}% of a "
-                              f"{chosen['step_ms']:.0f} ms step")
+            self.progress.log(
+                f"in-memory snapshots every {chosen['interval']} step(s): one blocks "
+                f"{chosen['snapshot_ms']:.1f} ms, {chosen['percent']:.2f}% of a "
+                f"{chosen['step_ms']:.0f} ms step"
+            )
 
     def _say(self, line: str) -> None:
         progress = getattr(self, "progress", None)
@@ -293,14 +359,24 @@ class Trainer:
             self._save(step, final=True)  # synchronous, with the final save's one retry
         seconds = time.perf_counter() - t0
         saved = self.last_checkpoint is not None and Path(self.last_checkpoint).name == step_dir_name(step)
-        self._emit("preempted", step=step, saved=saved, save_seconds=seconds, path=self.last_checkpoint,
-                   grace_s=self.safe.preemption_grace_s)
+        self._emit(
+            "preempted",
+            step=step,
+            saved=saved,
+            save_seconds=seconds,
+            path=self.last_checkpoint,
+            grace_s=self.safe.preemption_grace_s,
+        )
         if saved:
-            self.progress.log(f"SIGTERM: stopped after step {step}; checkpoint saved in {seconds:.1f} s "
-                              f"(grace {self.safe.preemption_grace_s:g} s): {self.last_checkpoint}")
+            self.progress.log(
+                f"SIGTERM: stopped after step {step}; checkpoint saved in {seconds:.1f} s "
+                f"(grace {self.safe.preemption_grace_s:g} s): {self.last_checkpoint}"
+            )
         else:
-            self.progress.log(f"SIGTERM: stopped after step {step}, but its checkpoint could not be saved; "
-                              f"the run resumes from {self.last_checkpoint or 'step 0'}")
+            self.progress.log(
+                f"SIGTERM: stopped after step {step}, but its checkpoint could not be saved; "
+                f"the run resumes from {self.last_checkpoint or 'step 0'}"
+            )
         self.snapshots.close()
         self.heartbeat.beat("done", step)
         self.sink.close()
@@ -322,8 +398,17 @@ class Trainer:
 
     def _resume(self) -> ResumePoint:
         """Continue from where train/resume.py decides (a snapshot, a checkpoint, or step 0)."""
-        point = resume_point(self.config, self.env, self.events, self.model, self.optimizer, self.checkpointer,
-                             self.snapshots, dataclasses.asdict(self.args), self.heartbeat)
+        point = resume_point(
+            self.config,
+            self.env,
+            self.events,
+            self.model,
+            self.optimizer,
+            self.checkpointer,
+            self.snapshots,
+            dataclasses.asdict(self.args),
+            self.heartbeat,
+        )
         self.last_checkpoint = str(point.newest_on_disk) if point.newest_on_disk else None
         if point.source == "start":
             return point
@@ -332,9 +417,18 @@ class Trainer:
         self.guard.reset(self.state.get("numerics_recent", []))
         self.state["resumed_step"] = self.state["step"]
         self.snapshots.discard_after(self.state["step"])
-        self._emit("checkpoint_loaded", step=point.step, seconds=point.seconds, path=str(point.loaded_from),
-                   source=point.source, **({"disk_step": checkpoint_step_of(point.newest_on_disk)
-                                             if point.newest_on_disk else 0} if point.source == "memory" else {}))
+        self._emit(
+            "checkpoint_loaded",
+            step=point.step,
+            seconds=point.seconds,
+            path=str(point.loaded_from),
+            source=point.source,
+            **(
+                {"disk_step": checkpoint_step_of(point.newest_on_disk) if point.newest_on_disk else 0}
+                if point.source == "memory"
+                else {}
+            ),
+        )
         return point
 
     def _rollback(self, step: int) -> bool:
@@ -356,11 +450,16 @@ class Trainer:
         self.heartbeat.beat("collective")
         scores = self.stragglers.scores()
         for s in self.stragglers.stragglers(scores):
-            self._emit("straggler", step=step, straggler_rank=s["rank"], straggler_node=s["node"],
-                       score=round(s["score"], 4), median_compute_s=s["median_compute_s"],
-                       fastest_compute_s=min(x["median_compute_s"] for x in scores))
-            self.progress.log(f"step {step}: rank {s['rank']} on {s['node']} is a straggler "
-                              f"(score {s['score']:.2f})")
+            self._emit(
+                "straggler",
+                step=step,
+                straggler_rank=s["rank"],
+                straggler_node=s["node"],
+                score=round(s["score"], 4),
+                median_compute_s=s["median_compute_s"],
+                fastest_compute_s=min(x["median_compute_s"] for x in scores),
+            )
+            self.progress.log(f"step {step}: rank {s['rank']} on {s['node']} is a straggler (score {s['score']:.2f})")
 
     # -- reporting ------------------------------------------------------------------------------
     def _emit(self, kind: str, **details: Any) -> None:
@@ -378,10 +477,16 @@ class Trainer:
     def _summary(self, steps_done: int, timed_steps: int, timed_seconds: float) -> dict[str, Any]:
         tps = self.tokens_per_step * timed_steps / timed_seconds if timed_steps else None
         summary = {
-            "run_dir": str(self.run_dir), "steps": steps_done, "tokens_seen": steps_done * self.tokens_per_step,
-            "val_loss_start": self.state.get("val_loss_start"), "val_loss_final": self.state.get("val_loss"),
-            "train_loss_final": self.state.get("train_loss"), "tokens_per_sec": tps, **self._device_rates(tps),
-            "last_checkpoint": self.last_checkpoint, "wall_seconds": time.perf_counter() - self.started,
+            "run_dir": str(self.run_dir),
+            "steps": steps_done,
+            "tokens_seen": steps_done * self.tokens_per_step,
+            "val_loss_start": self.state.get("val_loss_start"),
+            "val_loss_final": self.state.get("val_loss"),
+            "train_loss_final": self.state.get("train_loss"),
+            "tokens_per_sec": tps,
+            **self._device_rates(tps),
+            "last_checkpoint": self.last_checkpoint,
+            "wall_seconds": time.perf_counter() - self.started,
             **({"final_save_failed": self.final_save_failed} if self.final_save_failed else {}),
             "halted": self.tc.halt_at_step is not None and steps_done < self.tc.max_steps,
         }

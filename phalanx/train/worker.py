@@ -56,8 +56,11 @@ def main(argv: list[str]) -> int:
             raise
         # A full disk under the run's records: a restart would fail the same way, so say it and stop (8).
         where = f" writing {exc.filename}" if exc.filename else ""
-        print(f"error: no space left on device{where} (run directory {config.run_dir}): "
-              f"free space and rerun; the same command resumes from the newest saved checkpoint", file=sys.stderr)
+        print(
+            f"error: no space left on device{where} (run directory {config.run_dir}): "
+            f"free space and rerun; the same command resumes from the newest saved checkpoint",
+            file=sys.stderr,
+        )
         return DiskFullError.exit_code
     except PhalanxError as exc:
         print(f"error: {exc}", file=sys.stderr)

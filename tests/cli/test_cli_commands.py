@@ -1,10 +1,12 @@
 import pytest
+
 """The other commands: config show, data prepare, bench."""
 
 import json
 from pathlib import Path
 
 import yaml
+
 from tests.helpers import phalanx
 
 
@@ -27,20 +29,46 @@ def test_data_prepare_reports_and_reuses_cache(tiny_args):
 
 @pytest.mark.slow
 def test_bench_reports_throughput():
-    out = json.loads(phalanx("bench", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2",
-                             "--warmup", "1", "--json").stdout)
+    out = json.loads(
+        phalanx(
+            "bench", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--json"
+        ).stdout
+    )
     assert out["params"] == 4196608 and out["tokens_per_sec"] > 0 and out["achieved_tflops"] > 0
     assert out["mfu"] is None
-    with_peak = json.loads(phalanx("bench", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "1",
-                                   "--warmup", "0", "--peak-tflops", "1", "--json").stdout)
+    with_peak = json.loads(
+        phalanx(
+            "bench",
+            "tiny",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--peak-tflops",
+            "1",
+            "--json",
+        ).stdout
+    )
     assert with_peak["mfu"] == with_peak["achieved_tflops"]
 
 
 def test_config_show_writes_the_presets_shape_out():
     shown = phalanx("config", "show").stdout
     model = yaml.safe_load(shown)["model"]
-    assert (model["preset"], model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"],
-            model["ffn_dim"], model["max_seq_len"], model["tie_embeddings"]) == ("tiny", 256, 4, 8, 4, 768, 256, True)
+    assert (
+        model["preset"],
+        model["dim"],
+        model["n_layers"],
+        model["n_heads"],
+        model["n_kv_heads"],
+        model["ffn_dim"],
+        model["max_seq_len"],
+        model["tie_embeddings"],
+    ) == ("tiny", 256, 4, 8, 4, 768, 256, True)
     assert model["vocab_size"] is None and "vocab_size: null  # the tokenizer's" in shown
     assert "micro_batch_size: null  # global_batch_size / ranks: 16 on 1, 8 on 2, 4 on 4, 2 on 8" in shown
     big = json.loads(phalanx("config", "show", "model.preset=8b", "model.n_layers=2", "--json").stdout)["model"]

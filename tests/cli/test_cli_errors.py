@@ -1,6 +1,7 @@
 """Bad input: one clear line on stderr, exit code 2, no traceback (unless --debug)."""
 
 import pytest
+
 from tests.helpers import phalanx, train_json
 
 
@@ -28,8 +29,9 @@ def test_missing_config_and_missing_data(tmp_path):
 
 def test_empty_corpus(tmp_path):
     (tmp_path / "empty.txt").write_text("   \n")
-    assert "corpus is empty" in fails("data", "prepare", f"data.sources=[{tmp_path / 'empty.txt'}]",
-                                      f"run.dir={tmp_path}")
+    assert "corpus is empty" in fails(
+        "data", "prepare", f"data.sources=[{tmp_path / 'empty.txt'}]", f"run.dir={tmp_path}"
+    )
 
 
 def test_vocabulary_too_small(tiny_args):
@@ -81,20 +83,31 @@ def test_debug_shows_the_traceback():
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
-@pytest.mark.parametrize("launch, message", [
-    (["--rdzv-endpoint", "localhost:abc", "--nnodes", "2"], "--rdzv-endpoint must be HOST:PORT"),
-    (["--nnodes", "2:1"], "--nnodes must be N or MIN:MAX"),
-    (["--nnodes", "2"], "several nodes need --rdzv-endpoint"),
-    (["--rdzv-conf", "last_call_timeout=abc"], "takes whole seconds"),
-    (["--rdzv-conf", "endpoint=x"], "unknown option 'endpoint'"),
-])
+@pytest.mark.parametrize(
+    "launch, message",
+    [
+        (["--rdzv-endpoint", "localhost:abc", "--nnodes", "2"], "--rdzv-endpoint must be HOST:PORT"),
+        (["--nnodes", "2:1"], "--nnodes must be N or MIN:MAX"),
+        (["--nnodes", "2"], "several nodes need --rdzv-endpoint"),
+        (["--rdzv-conf", "last_call_timeout=abc"], "takes whole seconds"),
+        (["--rdzv-conf", "endpoint=x"], "unknown option 'endpoint'"),
+    ],
+)
 def test_bad_launch_options(tiny_args, launch, message):
     assert message in fails("train", *tiny_args, *launch)
 
 
 def test_elastic_range_must_fit_every_size(tiny_args):
-    line = fails("train", *tiny_args, "train.global_batch_size=12", "train.micro_batch_size=4", "--nnodes", "1:3",
-                 "--rdzv-endpoint", "127.0.0.1:29999")
+    line = fails(
+        "train",
+        *tiny_args,
+        "train.global_batch_size=12",
+        "train.micro_batch_size=4",
+        "--nnodes",
+        "1:3",
+        "--rdzv-endpoint",
+        "127.0.0.1:29999",
+    )
     assert "2 data-parallel ranks" in line  # 12 fits 1 and 3 ranks of 4, not 2
 
 
@@ -131,8 +144,12 @@ def test_sigterm_stops_the_ranks_and_exits_143(tiny_args, runs_root):
     import time
 
     name = next(a for a in tiny_args if a.startswith("run.name=")).split("=", 1)[1]
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "train", *tiny_args, "train.max_steps=100000",
-                             "checkpoint.interval=100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "train", *tiny_args, "train.max_steps=100000", "checkpoint.interval=100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = runs_root / name / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and metrics.read_text().count('"loss"') >= 3) and time.monotonic() < deadline:

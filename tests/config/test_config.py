@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from phalanx.config.loader import load_config
-from phalanx.run.prepare import save_config
 from phalanx.errors import PhalanxError
+from phalanx.run.prepare import save_config
 
 
 def write(path, data):
@@ -31,8 +31,16 @@ def test_extends_preset_and_file_chain_with_deep_merge(tmp_path):
 
 
 def test_overrides_parse_yaml_values(tmp_path):
-    config = load_config(None, ["train.max_steps=50", "train.compile=true", "data.sources=[a.txt, b.txt]",
-                                "train.peak_tflops=1.5", "checkpoint.resume=never"])
+    config = load_config(
+        None,
+        [
+            "train.max_steps=50",
+            "train.compile=true",
+            "data.sources=[a.txt, b.txt]",
+            "train.peak_tflops=1.5",
+            "checkpoint.resume=never",
+        ],
+    )
     assert config.train.max_steps == 50 and config.train.compile is True
     assert config.train.peak_tflops == 1.5
     assert [s.split("/")[-1] for s in config.data.sources] == ["a.txt", "b.txt"]

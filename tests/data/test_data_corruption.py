@@ -3,9 +3,9 @@ stop the next `phalanx train` before any rank trains on them, with one line nami
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
+
+import pytest
 
 from phalanx.data.prepare import PreparedData
 from phalanx.data.shards import HEADER

@@ -25,8 +25,12 @@ def make_corpus(dir, docs=3, words=400, seed=0):
 
 def prepare(tmp_path, **overrides):
     args = dict(
-        sources=["corpus"], base_dir=tmp_path, cache_root=tmp_path / "cache",
-        vocab_size=300, tokenizer=None, val_fraction=0.1,
+        sources=["corpus"],
+        base_dir=tmp_path,
+        cache_root=tmp_path / "cache",
+        vocab_size=300,
+        tokenizer=None,
+        val_fraction=0.1,
     )
     return prepare_data(**{**args, **overrides})
 

@@ -4,7 +4,16 @@ header, and bytes overwritten in place, caught by the chunk checksums)."""
 import numpy as np
 import pytest
 
-from phalanx.data.shards import CHUNK_BYTES, HEADER, MAGIC, VERSION, ShardWriter, VerifiedShard, dtype_for_vocab, read_shard
+from phalanx.data.shards import (
+    CHUNK_BYTES,
+    HEADER,
+    MAGIC,
+    VERSION,
+    ShardWriter,
+    VerifiedShard,
+    dtype_for_vocab,
+    read_shard,
+)
 from phalanx.errors import PhalanxError
 
 
@@ -103,8 +112,11 @@ def test_bytes_overwritten_in_place_are_caught_by_their_chunk(tmp_path):
     overwrite(path, HEADER.size + 2 * (chunk_tokens + 10), bytes(4096))  # inside chunk 1
     shard = VerifiedShard(path)
     np.testing.assert_array_equal(shard.windows(np.array([0, 100]), 50)[1], tokens[100:150])
-    with pytest.raises(PhalanxError, match=r"corrupt token shard .*\(chunk 1, tokens 524288-1048575\): its bytes "
-                                           r"do not match the shard's checksum; delete .* rebuilds it"):
+    with pytest.raises(
+        PhalanxError,
+        match=r"corrupt token shard .*\(chunk 1, tokens 524288-1048575\): its bytes "
+        r"do not match the shard's checksum; delete .* rebuilds it",
+    ):
         shard.windows(np.array([chunk_tokens + 5]), 50)
     with pytest.raises(PhalanxError, match="chunk 1"):
         VerifiedShard(path).verify_all()
@@ -127,5 +139,5 @@ def test_windows_spanning_several_chunks_verify_each(tmp_path):
         w.write(tokens)
     shard = VerifiedShard(w.paths[0])
     out = shard.windows(np.array([10]), CHUNK_BYTES // 2 + 10)  # longer than a chunk
-    np.testing.assert_array_equal(out[0], tokens[10:10 + CHUNK_BYTES // 2 + 10])
+    np.testing.assert_array_equal(out[0], tokens[10 : 10 + CHUNK_BYTES // 2 + 10])
     assert shard._verified.all()

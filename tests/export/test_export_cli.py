@@ -22,9 +22,11 @@ def test_missing_run_dir(tmp_path):
 
 def test_unknown_format_and_dtype(tmp_path):
     assert "unknown --format 'onnx'; choose one of hf, gguf" in refused(
-        str(tmp_path), "--format", "onnx", "--out", str(tmp_path / "out"))
-    assert "unknown --dtype 'int4'" in refused(str(tmp_path), "--format", "gguf", "--dtype", "int4", "--out",
-                                               str(tmp_path / "out"))
+        str(tmp_path), "--format", "onnx", "--out", str(tmp_path / "out")
+    )
+    assert "unknown --dtype 'int4'" in refused(
+        str(tmp_path), "--format", "gguf", "--dtype", "int4", "--out", str(tmp_path / "out")
+    )
 
 
 def test_existing_out_is_refused_without_force(tmp_path):

@@ -10,16 +10,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tests.conftest import TINY
-from tests.helpers import phalanx, train_json
 
-from phalanx.export.gguf_export import PRE_TOKENIZER, PRE_TOKENIZER_REGEX, write_gguf
-from phalanx.run.gguf_format import interleave_rotary_rows
-from phalanx.models.llama import Transformer, apply_rope, rope_tables
+from phalanx.data.chat_template import CHAT_TEMPLATE, render_chat
 from phalanx.data.tokenizer import BOS
 from phalanx.export.export import export_run
-from phalanx.data.chat_template import CHAT_TEMPLATE, render_chat
+from phalanx.export.gguf_export import PRE_TOKENIZER, PRE_TOKENIZER_REGEX, write_gguf
+from phalanx.models.llama import Transformer, apply_rope, rope_tables
+from phalanx.run.gguf_format import interleave_rotary_rows
 from phalanx.run.model_loader import LoadedModel, load_model
+from tests.conftest import TINY
+from tests.helpers import phalanx, train_json
 
 PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?  'Tis 1597 -- café, naïve 東京.\n\nJULIET:"
 # Max abs logit difference, llama.cpp vs phalanx, with llama.cpp's KV cache in f32. Measured here (see
@@ -33,8 +33,15 @@ TOLERANCE = {"f32": 1e-5, "f16": 3e-3, "bf16": 2e-2, "q8_0": 3e-2, "q4_0": 0.3}
 @pytest.fixture(scope="module")
 def run_dir(corpus, runs_root) -> Path:
     """Untied, so the file has an `output` tensor (the tied case is tested below)."""
-    summary = train_json(*TINY, f"data.sources=[{corpus}]", f"run.dir={runs_root}", "run.name=export-gguf",
-                         "train.max_steps=4", "model.max_seq_len=128", "model.tie_embeddings=false")
+    summary = train_json(
+        *TINY,
+        f"data.sources=[{corpus}]",
+        f"run.dir={runs_root}",
+        "run.name=export-gguf",
+        "train.max_steps=4",
+        "model.max_seq_len=128",
+        "model.tie_embeddings=false",
+    )
     return Path(summary["run_dir"])
 
 
@@ -43,8 +50,11 @@ def exports(run_dir, tmp_path_factory) -> dict[str, Path]:
     """dtype -> model.gguf, each written by the real CLI."""
     root, files = tmp_path_factory.mktemp("gguf"), {}
     for dtype in TOLERANCE:
-        report = json.loads(phalanx("export", str(run_dir), "--format", "gguf", "--out", str(root / dtype),
-                                    "--dtype", dtype, "--json").stdout)
+        report = json.loads(
+            phalanx(
+                "export", str(run_dir), "--format", "gguf", "--out", str(root / dtype), "--dtype", dtype, "--json"
+            ).stdout
+        )
         assert sorted(report["files"]) == ["Modelfile", "model.gguf"]
         assert (root / dtype / "Modelfile").read_text().startswith("FROM ./model.gguf\n")
         files[dtype] = root / dtype / "model.gguf"
@@ -69,11 +79,16 @@ def test_gguf_keys_and_tensors(run_dir, exports):
     assert field(reader, "general.architecture") == "llama"
     assert field(reader, "general.name") == "export-gguf"
     expected = {
-        "llama.context_length": args.max_seq_len, "llama.embedding_length": args.dim,
-        "llama.block_count": args.n_layers, "llama.feed_forward_length": args.ffn_dim,
-        "llama.attention.head_count": args.n_heads, "llama.attention.head_count_kv": args.n_kv_heads,
-        "llama.rope.dimension_count": args.head_dim, "llama.vocab_size": args.vocab_size,
-        "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
+        "llama.context_length": args.max_seq_len,
+        "llama.embedding_length": args.dim,
+        "llama.block_count": args.n_layers,
+        "llama.feed_forward_length": args.ffn_dim,
+        "llama.attention.head_count": args.n_heads,
+        "llama.attention.head_count_kv": args.n_kv_heads,
+        "llama.rope.dimension_count": args.head_dim,
+        "llama.vocab_size": args.vocab_size,
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
     }
     for key, value in expected.items():
         assert field(reader, key) == value, key
@@ -95,14 +110,13 @@ def test_gguf_keys_and_tensors(run_dir, exports):
     assert all(len(m.split(" ")) == 2 for m in merges)
 
     names = {t.name: t for t in reader.tensors}
-    per_layer = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_norm",
-                 "ffn_norm"]
+    per_layer = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_norm", "ffn_norm"]
     assert set(names) == {"token_embd.weight", "output_norm.weight", "output.weight"} | {
-        f"blk.{i}.{p}.weight" for i in range(args.n_layers) for p in per_layer}
+        f"blk.{i}.{p}.weight" for i in range(args.n_layers) for p in per_layer
+    }
     f16 = {t.name: t.tensor_type for t in gguf.GGUFReader(exports["f16"]).tensors}
     bf16 = {t.name: t.tensor_type for t in gguf.GGUFReader(exports["bf16"]).tensors}
-    F32, F16, BF16 = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-                      gguf.GGMLQuantizationType.BF16)
+    F32, F16, BF16 = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     for name, tensor in names.items():  # norms stay f32 whatever --dtype says
         assert (tensor.tensor_type, f16[name], bf16[name]) == ((F32, F32, F32) if "norm" in name else (F32, F16, BF16))
     # The file holds the permuted projection: llama.cpp's own layout.
@@ -152,8 +166,15 @@ def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
     llama_cpp = pytest.importorskip("llama_cpp")
     # llama.cpp keeps its KV cache in f16 by default, which alone costs ~2e-4 here: ask for f32 to
     # compare the weights and the computation.
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, n_threads=2, verbose=False,
-                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=128,
+        logits_all=True,
+        n_threads=2,
+        verbose=False,
+        type_k=llama_cpp.GGML_TYPE_F32,
+        type_v=llama_cpp.GGML_TYPE_F32,
+    )
     llm.eval(ids)
     logits = np.array(llm.scores[: len(ids)], dtype=np.float32)
     llm.close()
@@ -188,8 +209,10 @@ def test_llama_cpp_logits_match_phalanx(run_dir, exports, dtype, monkeypatch):
     ours, theirs = phalanx_logits(loaded.model, ids), llama_cpp_logits(exports[dtype], ids)
     diff = float(np.abs(ours - theirs).max())
     agree = float((ours.argmax(-1) == theirs.argmax(-1)).mean())
-    print(f"llama.cpp {dtype}: max abs diff {diff:.3g} over {ours.shape}, logit std {ours.std():.3g}, "
-          f"argmax agrees {agree:.0%}")
+    print(
+        f"llama.cpp {dtype}: max abs diff {diff:.3g} over {ours.shape}, logit std {ours.std():.3g}, "
+        f"argmax agrees {agree:.0%}"
+    )
     assert diff < TOLERANCE[dtype]
     assert agree > 0.9
 
@@ -246,8 +269,9 @@ def test_quantised_types_fall_back_to_f16_for_rows_that_are_not_whole_blocks():
 
 @pytest.mark.slow
 def test_quantised_types_are_for_gguf_only(run_dir, tmp_path):
-    result = phalanx("export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"), "--dtype", "q8_0",
-                     check=False)
+    result = phalanx(
+        "export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"), "--dtype", "q8_0", check=False
+    )
     assert result.returncode == 2
     assert "the quantised types are for --format gguf" in result.stderr
 
@@ -290,8 +314,15 @@ def test_generate_and_serve_take_a_gguf_export(run_dir, exports):
     from_run = phalanx("generate", str(run_dir), *greedy).stdout
     assert phalanx("generate", str(exports["f32"].parent), *greedy).stdout == from_run
     with InProcessServer(exports["f32"].parent, slots=2, max_queue=2, name="from-gguf") as live:
-        reply = httpx.post(f"{live.url}/api/generate", json={"model": "from-gguf", "prompt": "ROMEO:", "stream": False,
-                                                            "options": {"temperature": 0, "num_predict": 12}})
+        reply = httpx.post(
+            f"{live.url}/api/generate",
+            json={
+                "model": "from-gguf",
+                "prompt": "ROMEO:",
+                "stream": False,
+                "options": {"temperature": 0, "num_predict": 12},
+            },
+        )
         assert reply.status_code == 200, reply.text
         assert "ROMEO:" + reply.json()["response"] + "\n" == from_run  # generate ends with a newline
         assert httpx.post(f"{live.url}/api/show", json={"model": "from-gguf"}).json()["details"]["format"] == "gguf"

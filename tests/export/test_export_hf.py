@@ -8,32 +8,40 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import TINY
-from tests.helpers import phalanx, train_json
 from safetensors import safe_open
 
+from phalanx.data.chat_template import CHAT_TEMPLATE, render_chat
 from phalanx.data.tokenizer import BOS, EOS, special_ids
 from phalanx.export.hf import hf_state_dict, write_hf_export
-from phalanx.run.hf_format import is_hf_export, read_chat_template
 from phalanx.models.llama import Transformer
-from phalanx.data.chat_template import CHAT_TEMPLATE, render_chat
+from phalanx.run.hf_format import is_hf_export, read_chat_template
 from phalanx.run.model_loader import LoadedModel, load_model
+from tests.conftest import TINY
+from tests.helpers import phalanx, train_json
 
 transformers = pytest.importorskip("transformers")
 
 # Punctuation, an apostrophe, digits, runs of spaces, newlines and non-ASCII text: the tokenizer's
 # pre-tokenizer and byte fallback all take part.
 PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?  'Tis 1597 -- café, naïve 東京.\n\nJULIET:"
-MESSAGES = [{"role": "system", "content": "You are a player."},
-            {"role": "user", "content": "  Speak the speech, I pray you.\n"},
-            {"role": "assistant", "content": "Trippingly on the tongue."},
-            {"role": "user", "content": "Again!"}]
+MESSAGES = [
+    {"role": "system", "content": "You are a player."},
+    {"role": "user", "content": "  Speak the speech, I pray you.\n"},
+    {"role": "assistant", "content": "Trippingly on the tongue."},
+    {"role": "user", "content": "Again!"},
+]
 
 
 @pytest.fixture(scope="module")
 def run_dir(corpus, runs_root) -> Path:
-    summary = train_json(*TINY, f"data.sources=[{corpus}]", f"run.dir={runs_root}", "run.name=export-hf",
-                         "train.max_steps=4", "model.max_seq_len=128")
+    summary = train_json(
+        *TINY,
+        f"data.sources=[{corpus}]",
+        f"run.dir={runs_root}",
+        "run.name=export-hf",
+        "train.max_steps=4",
+        "model.max_seq_len=128",
+    )
     return Path(summary["run_dir"])
 
 
@@ -41,8 +49,13 @@ def run_dir(corpus, runs_root) -> Path:
 def export_dir(run_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf") / "model"
     report = json.loads(phalanx("export", str(run_dir), "--format", "hf", "--out", str(out), "--json").stdout)
-    assert sorted(report["files"]) == ["config.json", "generation_config.json", "model.safetensors",
-                                       "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(report["files"]) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     return out
 
 
@@ -57,9 +70,15 @@ def test_files_config_and_tensor_names(run_dir, export_dir):
     config = json.loads((export_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (
-        args.dim, args.ffn_dim, args.n_layers)
+        args.dim,
+        args.ffn_dim,
+        args.n_layers,
+    )
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
-        args.n_heads, args.n_kv_heads, args.head_dim)
+        args.n_heads,
+        args.n_kv_heads,
+        args.head_dim,
+    )
     assert (config["vocab_size"], config["max_position_embeddings"]) == (args.vocab_size, args.max_seq_len)
     assert (config["rope_theta"], config["rms_norm_eps"]) == (args.rope_theta, args.norm_eps)
     assert args.tie_embeddings  # the tiny preset ties them; the untied case is tested below
@@ -71,16 +90,28 @@ def test_files_config_and_tensor_names(run_dir, export_dir):
     with safe_open(str(export_dir / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
         names = set(f.keys())
-    per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
+    per_layer = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    ]
     assert names == {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{i}.{p}.weight" for i in range(args.n_layers) for p in per_layer}
+        f"model.layers.{i}.{p}.weight" for i in range(args.n_layers) for p in per_layer
+    }
     # No permutation: phalanx's RoPE layout is HF's, so q_proj is wq as it is.
     with safe_open(str(export_dir / "model.safetensors"), "pt") as f:
-        assert torch.equal(f.get_tensor("model.layers.1.self_attn.q_proj.weight"),
-                           loaded.model.layers[1].attention.wq.weight.detach())
-        assert torch.equal(f.get_tensor("model.layers.0.mlp.gate_proj.weight"),
-                           loaded.model.layers[0].feed_forward.w1.weight.detach())
+        assert torch.equal(
+            f.get_tensor("model.layers.1.self_attn.q_proj.weight"), loaded.model.layers[1].attention.wq.weight.detach()
+        )
+        assert torch.equal(
+            f.get_tensor("model.layers.0.mlp.gate_proj.weight"), loaded.model.layers[0].feed_forward.w1.weight.detach()
+        )
 
 
 def test_transformers_logits_match_phalanx(run_dir, export_dir):
@@ -111,8 +142,7 @@ def test_tokenizer_files_and_chat_template(run_dir, export_dir):
 
     assert read_chat_template(export_dir) == CHAT_TEMPLATE
     for add_generation_prompt in (True, False):
-        hf_text = tokenizer.apply_chat_template(MESSAGES, tokenize=False,
-                                                add_generation_prompt=add_generation_prompt)
+        hf_text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt)
         assert hf_text == render_chat(MESSAGES, BOS, add_generation_prompt=add_generation_prompt)
     # Tokenised, the rendered chat starts with exactly one BOS: the template's.
     ids = tokenizer.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
@@ -148,8 +178,11 @@ def test_untied_model_and_half_precision(run_dir, tmp_path):
     untied = Transformer(type(args)(**{**args.__dict__, "tie_embeddings": False})).eval()
     ids = [0] + tokenizer.encode(PROMPT).ids
     ours = phalanx_logits(untied, ids)
-    for dtype, torch_dtype, tolerance in (("f32", torch.float32, 1e-4), ("f16", torch.float16, 2e-3),
-                                          ("bf16", torch.bfloat16, 1e-2)):
+    for dtype, torch_dtype, tolerance in (
+        ("f32", torch.float32, 1e-4),
+        ("f16", torch.float16, 2e-3),
+        ("bf16", torch.bfloat16, 1e-2),
+    ):
         out = tmp_path / dtype
         out.mkdir()
         write_hf_export(LoadedModel(untied, tokenizer, run_dir), out, dtype)
@@ -161,8 +194,10 @@ def test_untied_model_and_half_precision(run_dir, tmp_path):
         hf = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
         with torch.no_grad():
             diff = (hf(torch.tensor([ids])).logits[0] - ours).abs().max().item()
-        print(f"HF {dtype} weights (computed in f32), untied, untrained: max abs diff {diff:.3g}, "
-              f"logit std {ours.std().item():.3g}")
+        print(
+            f"HF {dtype} weights (computed in f32), untied, untrained: max abs diff {diff:.3g}, "
+            f"logit std {ours.std().item():.3g}"
+        )
         assert diff < tolerance
         reloaded = load_model(out).model
         assert reloaded.output.weight is not reloaded.tok_embeddings.weight

@@ -17,8 +17,14 @@ from tests.conftest import TINY
 from tests.helpers import phalanx, train_json
 
 # A context of 16 original positions makes the scaling bite within a short prompt.
-SCALED = ["model.rope_scaling_factor=8", "model.rope_low_freq_factor=1", "model.rope_high_freq_factor=4",
-          "model.rope_original_max_seq_len=16", "model.max_seq_len=128", "model.tie_embeddings=false"]
+SCALED = [
+    "model.rope_scaling_factor=8",
+    "model.rope_low_freq_factor=1",
+    "model.rope_high_freq_factor=4",
+    "model.rope_original_max_seq_len=16",
+    "model.max_seq_len=128",
+    "model.tie_embeddings=false",
+]
 PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks? It is the east, and Juliet is the sun."
 
 
@@ -26,13 +32,30 @@ def test_frequencies_match_transformers_llama3():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    args = ModelArgs(dim=512, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=64, vocab_size=32, max_seq_len=1024,
-                     rope_theta=500000.0, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-                     rope_high_freq_factor=4.0, rope_original_max_seq_len=64)
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
-    config = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=1024, rope_theta=500000.0,
-                         rope_scaling=scaling)
+    args = ModelArgs(
+        dim=512,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=4,
+        ffn_dim=64,
+        vocab_size=32,
+        max_seq_len=1024,
+        rope_theta=500000.0,
+        rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_seq_len=64,
+    )
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = LlamaConfig(
+        hidden_size=512, num_attention_heads=4, max_position_embeddings=1024, rope_theta=500000.0, rope_scaling=scaling
+    )
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     ours = rope_inverse_frequencies(args.head_dim, args.rope_theta) / rope_frequency_divisors(args)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
@@ -43,8 +66,9 @@ def test_frequencies_match_transformers_llama3():
 
 @pytest.fixture(scope="module")
 def scaled_run(corpus, runs_root) -> Path:
-    summary = train_json(*TINY, *SCALED, f"data.sources=[{corpus}]", f"run.dir={runs_root}", "run.name=rope-scaled",
-                         "train.max_steps=4")
+    summary = train_json(
+        *TINY, *SCALED, f"data.sources=[{corpus}]", f"run.dir={runs_root}", "run.name=rope-scaled", "train.max_steps=4"
+    )
     return Path(summary["run_dir"])
 
 
@@ -60,8 +84,13 @@ def test_hf_export_matches_transformers(scaled_run, tmp_path):
     out = tmp_path / "hf"
     phalanx("export", str(scaled_run), "--format", "hf", "--out", str(out))
     config = json.loads((out / "config.json").read_text())
-    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    assert config["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     loaded = load_model(scaled_run)
     ids = [0] + loaded.tokenizer.encode(PROMPT).ids
     assert len(ids) > 40
@@ -84,8 +113,15 @@ def test_gguf_export_matches_llama_cpp(scaled_run, tmp_path):
     phalanx("export", str(scaled_run), "--format", "gguf", "--out", str(out))
     loaded = load_model(scaled_run)
     ids = [0] + loaded.tokenizer.encode(PROMPT).ids
-    llm = llama_cpp.Llama(model_path=str(out / "model.gguf"), n_ctx=128, logits_all=True, n_threads=2, verbose=False,
-                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    llm = llama_cpp.Llama(
+        model_path=str(out / "model.gguf"),
+        n_ctx=128,
+        logits_all=True,
+        n_threads=2,
+        verbose=False,
+        type_k=llama_cpp.GGML_TYPE_F32,
+        type_v=llama_cpp.GGML_TYPE_F32,
+    )
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)], dtype=np.float32)
     llm.close()

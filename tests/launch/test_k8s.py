@@ -11,10 +11,10 @@ import kubernetes_validate
 import pytest
 import typer
 import yaml
-from tests.helpers import phalanx
 
 from phalanx.config.loader import load_config
 from phalanx.errors import EXIT_CODES
+from tests.helpers import phalanx
 
 ROOT = Path(__file__).resolve().parents[2]
 # The oldest Kubernetes with podFailurePolicy generally available, and the newest the package knows.
@@ -23,9 +23,23 @@ NODES, GPUS = 2, 4
 
 
 def write_manifests(args, out: Path, vendor: str, *options: str) -> dict:
-    proc = phalanx("cluster", "k8s", *args, "--nodes", str(NODES), "--gpus-per-node", str(GPUS),
-                   "--image", "registry.example/phalanx:0.1", "--vendor", vendor, "--out", str(out), *options,
-                   "--json")
+    proc = phalanx(
+        "cluster",
+        "k8s",
+        *args,
+        "--nodes",
+        str(NODES),
+        "--gpus-per-node",
+        str(GPUS),
+        "--image",
+        "registry.example/phalanx:0.1",
+        "--vendor",
+        vendor,
+        "--out",
+        str(out),
+        *options,
+        "--json",
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -49,7 +63,7 @@ def test_every_manifest_is_valid_kubernetes(written):
     _, out, report, docs, _ = written
     assert set(report["files"]) == set(docs) | {"Dockerfile"}
     assert set(kinds(docs)) == {"ConfigMap", "Service", "PersistentVolumeClaim", "Job"}
-    for name, doc in docs.items():
+    for doc in docs.values():
         for version in VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)  # raises on any schema error
 
@@ -81,8 +95,10 @@ def test_the_pods_run_phalanx_train_rendezvousing_at_pod_zero(written):
     head = f"{job['metadata']['name']}-0.{service['metadata']['name']}"
     # The node rank is the completion index, as Kubernetes expands $(NODE_RANK) from the pod's env.
     (rank_env,) = [e for e in agent["env"] if e["name"] == "NODE_RANK"]
-    assert rank_env["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert (
+        rank_env["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
     assert pod["initContainers"][0]["command"][-1].startswith(f"until getent hosts {head} ")
 
     from phalanx.cli import app  # the real command line parses what the pod would run
@@ -151,15 +167,28 @@ def test_the_dockerfile_builds_from_the_source_tree_on_either_base(written):
                 assert (ROOT / source).exists(), source
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--vendor", "intel"], "--vendor must be amd or nvidia"),
-    (["--shm-size", "lots"], "--shm-size must be a Kubernetes quantity"),
-    (["--image", "my image"], "--image must be an image reference"),
-    (["--nodes", "3"], "must be a multiple of the 12 data-parallel ranks"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--vendor", "intel"], "--vendor must be amd or nvidia"),
+        (["--shm-size", "lots"], "--shm-size must be a Kubernetes quantity"),
+        (["--image", "my image"], "--image must be an image reference"),
+        (["--nodes", "3"], "must be a multiple of the 12 data-parallel ranks"),
+    ],
+)
 def test_bad_options_get_one_line_and_exit_2(tiny_args, tmp_path, options, message):
-    argv = ["cluster", "k8s", *tiny_args, "train.micro_batch_size=null", "--gpus-per-node", "4",
-            "--image", "registry.example/phalanx:0.1", "--out", str(tmp_path / "out")]
+    argv = [
+        "cluster",
+        "k8s",
+        *tiny_args,
+        "train.micro_batch_size=null",
+        "--gpus-per-node",
+        "4",
+        "--image",
+        "registry.example/phalanx:0.1",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     proc = phalanx(*argv, *options, check=False)
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "out").exists()

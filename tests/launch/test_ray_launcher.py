@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.helpers import agent_of, free_port, is_rank, losses_by_step, train_json
 
 from phalanx.run.records import read_events
+from tests.helpers import agent_of, free_port, is_rank, losses_by_step, train_json
 
 pytestmark = pytest.mark.slow  # each test here takes over 5 s (TESTING.md)
 
@@ -38,9 +38,17 @@ def ray_cluster():
     dashboard = free_port()
     cluster = None
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "resources": {"node_a": 1}, "node_ip_address": "127.0.0.1",
-            "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard})
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "resources": {"node_a": 1},
+                "node_ip_address": "127.0.0.1",
+                "include_dashboard": True,
+                "dashboard_host": "127.0.0.1",
+                "dashboard_port": dashboard,
+            },
+        )
         cluster.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
         yield cluster.address, f"http://127.0.0.1:{dashboard}"
     finally:
@@ -70,8 +78,9 @@ def two_local_ranks(corpus, runs_root):
 def test_two_ray_nodes_train_bit_identical_to_two_local_ranks(ray_cluster, two_local_ranks):
     address, _ = ray_cluster
     args, reference = two_local_ranks
-    summary = train_json(*named(args, "ray-two-nodes"), "--launcher", "ray", "--ray-address", address,
-                         "--nnodes", "2", "--nproc", "1")
+    summary = train_json(
+        *named(args, "ray-two-nodes"), "--launcher", "ray", "--ray-address", address, "--nnodes", "2", "--nproc", "1"
+    )
     assert summary["launcher"] == "ray" and summary["nodes"] == 2 and summary["nodes_replaced"] == 0
     assert summary["steps"] == 12 and summary["restarts"] == 0
     assert losses_by_step(summary["run_dir"]) == losses_by_step(reference["run_dir"])  # exact, not approx
@@ -104,8 +113,23 @@ def test_a_killed_node_agent_is_replaced_and_the_run_resumes_bit_identical(ray_c
     # From step 5 rank 0 sleeps 0.4 s a step, so the kill surely lands mid-run (the fault fires once: the
     # resumed run goes at full speed); sleeping changes no number.
     slow = "safe.inject=[{fault: slow, rank: 0, step: 5, ms: 400}]"
-    command = [sys.executable, "-m", "phalanx", "train", *named(args, run_dir.name), slow, "--launcher", "ray",
-               "--ray-address", address, "--nnodes", "2", "--nproc", "1", "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "train",
+        *named(args, run_dir.name),
+        slow,
+        "--launcher",
+        "ray",
+        "--ray-address",
+        address,
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--json",
+    ]
     launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -143,9 +167,31 @@ def test_ray_job_submit_runs_the_same_command(ray_cluster, two_local_ranks):
     """From inside the cluster: the job's driver finds the cluster through RAY_ADDRESS."""
     _, dashboard = ray_cluster
     args, reference = two_local_ranks
-    proc = subprocess.run([RAY_CLI, "job", "submit", "--address", dashboard, "--", sys.executable, "-m", "phalanx",
-                           "train", *named(args, "ray-job-submit"), "--launcher", "ray", "--nnodes", "2",
-                           "--nproc", "1", "--json"], capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            RAY_CLI,
+            "job",
+            "submit",
+            "--address",
+            dashboard,
+            "--",
+            sys.executable,
+            "-m",
+            "phalanx",
+            "train",
+            *named(args, "ray-job-submit"),
+            "--launcher",
+            "ray",
+            "--nnodes",
+            "2",
+            "--nproc",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = next(line for line in proc.stdout.splitlines() if line.startswith('{"run_dir"'))
     summary = json.loads(line)

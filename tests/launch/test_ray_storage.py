@@ -10,17 +10,31 @@ import pytest
 
 from phalanx.data.prepare import PreparedData, prepare_data
 from phalanx.data.shards import CRC
-from phalanx.launch.cluster.shared_storage import (data_digest, filesystem_type, is_network_filesystem,
-                                                   remove_share_probe, sees_share_probe, sqlite_store_dir,
-                                                   store_warning, write_share_probe)
+from phalanx.launch.cluster.shared_storage import (
+    data_digest,
+    filesystem_type,
+    is_network_filesystem,
+    remove_share_probe,
+    sees_share_probe,
+    sqlite_store_dir,
+    store_warning,
+    write_share_probe,
+)
 
 MOUNTS = [("/", "ext4"), ("/mnt/shared", "nfs4"), ("/mnt/shared/local", "xfs"), ("/scratch", "lustre")]
 
 
-@pytest.mark.parametrize("path, fstype", [
-    ("/home/me/runs", "ext4"), ("/mnt/shared/runs", "nfs4"), ("/mnt/shared", "nfs4"),
-    ("/mnt/shared/local/runs", "xfs"), ("/mnt/sharedx/runs", "ext4"), ("/scratch/a/b", "lustre"),
-])
+@pytest.mark.parametrize(
+    "path, fstype",
+    [
+        ("/home/me/runs", "ext4"),
+        ("/mnt/shared/runs", "nfs4"),
+        ("/mnt/shared", "nfs4"),
+        ("/mnt/shared/local/runs", "xfs"),
+        ("/mnt/sharedx/runs", "ext4"),
+        ("/scratch/a/b", "lustre"),
+    ],
+)
 def test_the_deepest_mount_above_a_path_gives_its_filesystem(path, fstype):
     assert filesystem_type(Path(path), MOUNTS) == fstype
 
@@ -41,10 +55,17 @@ def test_the_share_probe_is_seen_only_where_node_0_wrote_it(tmp_path):
     assert not sees_share_probe(shared, "token-1") and list(shared.iterdir()) == []
 
 
-@pytest.mark.parametrize("store, expected", [
-    (None, "/runs"), ("none", None), ("postgresql://me@db/phalanx", None), ("sqlite:////mnt/shared/x.db", "/mnt/shared"),
-    ("/mnt/shared/store/p.db", "/mnt/shared/store"), ("sqlite://", None),
-])
+@pytest.mark.parametrize(
+    "store, expected",
+    [
+        (None, "/runs"),
+        ("none", None),
+        ("postgresql://me@db/phalanx", None),
+        ("sqlite:////mnt/shared/x.db", "/mnt/shared"),
+        ("/mnt/shared/store/p.db", "/mnt/shared/store"),
+        ("sqlite://", None),
+    ],
+)
 def test_where_the_sqlite_store_file_lives(store, expected):
     found = sqlite_store_dir(store, Path("/runs"))
     assert (None if found is None else str(found)) == expected

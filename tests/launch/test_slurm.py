@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from slurm_helpers import FINISHED, job_info, job_output, start_slurm, wait_for_step, wait_job
-from tests.helpers import losses_by_step, phalanx, read_metrics, train_json
 
 from phalanx.run.records import read_events
+from tests.helpers import losses_by_step, phalanx, read_metrics, train_json
 
 TWO_RANKS = ["--nodes", "1", "--gpus-per-node", "2", "--cpu"]
 # Long enough to be stopped in the middle: 40 steps, rank 0 slowed by 150 ms a step, a checkpoint every 10.
@@ -89,8 +89,9 @@ def test_bad_input_on_the_nodes_is_never_requeued(slurm, tiny_args, tmp_path):
     report = json.loads(phalanx("cluster", "slurm", *tiny_args, *TWO_RANKS, "--out", str(script), "--json").stdout)
     config = Path(report["config"])
     config.write_text(config.read_text().replace("max_steps: 12", "max_steps: -1"))  # exit 2 on the node
-    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
-                         timeout=60).stdout.strip()
+    job = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
     info = wait_job(job, timeout=120)
     output = job_output(script, job)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0" and info["Restarts"] == "0", output

@@ -10,13 +10,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.helpers import phalanx
 
 from phalanx.config.loader import load_config
 from phalanx.errors import EXIT_CODES, ExitCode
 from phalanx.launch.cluster import exit_policy as policy_module
 from phalanx.launch.cluster.exit_policy import exit_policy
 from phalanx.launch.cluster.slurm import SlurmJob, render_sbatch, time_limit_seconds
+from tests.helpers import phalanx
 
 
 def write(args, out: Path, *options: str) -> dict:
@@ -40,15 +40,36 @@ def case_codes(text: str) -> dict[str, set[int]]:
 
 
 def test_the_script_asks_slurm_for_the_job_and_runs_one_node_agent_per_node(tiny_args, tmp_path):
-    report = write([*tiny_args, "train.micro_batch_size=null"], tmp_path / "job.sbatch", "--nodes", "2",
-                   "--gpus-per-node", "4", "--partition", "gpu", "--time", "1-12:00:00", "--account", "proj1")
+    report = write(
+        [*tiny_args, "train.micro_batch_size=null"],
+        tmp_path / "job.sbatch",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--partition",
+        "gpu",
+        "--time",
+        "1-12:00:00",
+        "--account",
+        "proj1",
+    )
     script = Path(report["script"])
     text = script.read_text()
     assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
     assert script.stat().st_mode & 0o100
     d = directives(text)
-    for wanted in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--partition=gpu",
-                   "--time=1-12:00:00", "--account=proj1", "--signal=TERM@120", "--requeue", "--open-mode=append"):
+    for wanted in (
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=4",
+        "--partition=gpu",
+        "--time=1-12:00:00",
+        "--account=proj1",
+        "--signal=TERM@120",
+        "--requeue",
+        "--open-mode=append",
+    ):
         assert wanted in d, (wanted, d)
     assert 'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
     assert '"$@" --node-rank "$SLURM_NODEID"' in text  # expanded on each node, not in the batch shell
@@ -72,8 +93,9 @@ def test_the_requeue_decision_is_the_exit_code_table():
     assert {2, 3, 6} <= set(policy.never) and {4, 5} <= set(policy.requeue)
     assert policy.should_requeue(143) and policy.should_requeue(4) and policy.should_requeue(5)
     assert not any(policy.should_requeue(c) for c in (0, 1, 2, 3, 6))
-    text = render_sbatch(SlurmJob(nodes=1, ranks_per_node=1, job_name="t"), Path("/s/job.sbatch"),
-                         Path("/s/job.config.yaml"))
+    text = render_sbatch(
+        SlurmJob(nodes=1, ranks_per_node=1, job_name="t"), Path("/s/job.sbatch"), Path("/s/job.config.yaml")
+    )
     codes = case_codes(text)
     assert codes["requeue"] == {int(e.code) for e in EXIT_CODES if e.code.isdigit() and e.requeue}
     assert codes["never"] == {int(e.code) for e in EXIT_CODES if e.code.isdigit() and e.code != "0" and not e.requeue}
@@ -83,11 +105,14 @@ def test_the_requeue_decision_is_the_exit_code_table():
 def test_a_change_to_the_table_changes_the_script(monkeypatch):
     """The script is generated from EXIT_CODES, not from a copy: flip exit 2 to requeue and signals (a
     preemption's 143 among them) to stop."""
-    changed = tuple(ExitCode(e.code, e.meaning, not e.requeue if e.code in ("2", "143", "128 + N") else e.requeue)
-                    for e in EXIT_CODES)
+    changed = tuple(
+        ExitCode(e.code, e.meaning, not e.requeue if e.code in ("2", "143", "128 + N") else e.requeue)
+        for e in EXIT_CODES
+    )
     monkeypatch.setattr(policy_module, "EXIT_CODES", changed)
-    text = render_sbatch(SlurmJob(nodes=1, ranks_per_node=1, job_name="t"), Path("/s/job.sbatch"),
-                         Path("/s/job.config.yaml"))
+    text = render_sbatch(
+        SlurmJob(nodes=1, ranks_per_node=1, job_name="t"), Path("/s/job.sbatch"), Path("/s/job.config.yaml")
+    )
     codes = case_codes(text)
     assert 2 in codes["requeue"] and 2 not in codes["never"]
     assert "-gt 128" not in text and not exit_policy().should_requeue(143)
@@ -102,13 +127,16 @@ def test_time_limits_in_slurm_syntax():
     assert time_limit_seconds("1-00:00:05") == 86405
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--time", "soon"], "--time must be a Slurm time limit"),
-    (["--time", "1"], "leaves no time before the 120 s warning signal"),
-    (["--partition", "gpu; rm -rf /"], "--partition must be a Slurm name"),
-    (["--nodes", "3"], "must be a multiple of the 3 data-parallel ranks"),
-    (["--signal-before", "0"], "--signal-before must be 1 to 65535 seconds"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--time", "soon"], "--time must be a Slurm time limit"),
+        (["--time", "1"], "leaves no time before the 120 s warning signal"),
+        (["--partition", "gpu; rm -rf /"], "--partition must be a Slurm name"),
+        (["--nodes", "3"], "must be a multiple of the 3 data-parallel ranks"),
+        (["--signal-before", "0"], "--signal-before must be 1 to 65535 seconds"),
+    ],
+)
 def test_bad_options_get_one_line_and_exit_2(tiny_args, tmp_path, options, message):
     argv = ["cluster", "slurm", *tiny_args, "train.micro_batch_size=null", "--out", str(tmp_path / "job.sbatch")]
     proc = phalanx(*argv, *options, check=False)

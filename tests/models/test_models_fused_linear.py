@@ -79,5 +79,7 @@ def test_roped_q_and_its_gradient_are_the_composites_bits(dtype):
     positions = torch.tensor([3, 40])
     row_cos, row_sin = cos[positions][:, None, None], sin[positions][:, None, None]
     x = torch.randn(2, 4, 1, 16).to(dtype)
-    assert torch.equal(llama.rotate(x, *llama.rope_rotation(row_cos, row_sin, dtype)),
-                       rotate_half_rope(x, row_cos.to(dtype), row_sin.to(dtype)))
+    assert torch.equal(
+        llama.rotate(x, *llama.rope_rotation(row_cos, row_sin, dtype)),
+        rotate_half_rope(x, row_cos.to(dtype), row_sin.to(dtype)),
+    )

@@ -164,10 +164,18 @@ def test_matches_hugging_face_llama_when_available():
     transformers = pytest.importorskip("transformers")
     model = build(ARGS).double()
     config = transformers.LlamaConfig(
-        vocab_size=ARGS.vocab_size, hidden_size=ARGS.dim, intermediate_size=ARGS.ffn_dim,
-        num_hidden_layers=ARGS.n_layers, num_attention_heads=ARGS.n_heads, num_key_value_heads=ARGS.n_kv_heads,
-        max_position_embeddings=ARGS.max_seq_len, rope_theta=ARGS.rope_theta, rms_norm_eps=ARGS.norm_eps,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        vocab_size=ARGS.vocab_size,
+        hidden_size=ARGS.dim,
+        intermediate_size=ARGS.ffn_dim,
+        num_hidden_layers=ARGS.n_layers,
+        num_attention_heads=ARGS.n_heads,
+        num_key_value_heads=ARGS.n_kv_heads,
+        max_position_embeddings=ARGS.max_seq_len,
+        rope_theta=ARGS.rope_theta,
+        rms_norm_eps=ARGS.norm_eps,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
     )
     hf = transformers.LlamaForCausalLM(config).double().eval()
     names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj"}

@@ -33,8 +33,12 @@ def test_forward_is_the_composites_bits_and_gradients_match_float64(dtype):
     expected, composite_x, composite_w = grads(composite, x, weight, grad_out)
     assert torch.equal(out, expected)
     # The reference: the same formula in float64, differentiated by autograd.
-    _, exact_x, exact_w = grads(lambda a, b: b * a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + EPS),
-                                x.double(), weight.double(), grad_out.double())
+    _, exact_x, exact_w = grads(
+        lambda a, b: b * a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + EPS),
+        x.double(),
+        weight.double(),
+        grad_out.double(),
+    )
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     for ours, theirs, exact in ((grad_x, composite_x, exact_x), (grad_w, composite_w, exact_w)):
         assert ours.dtype == dtype

@@ -16,8 +16,15 @@ import pytest
 POSTGRES_URL = os.environ.get("PHALANX_TEST_POSTGRES_URL")
 # Debian's Chromium, driven by playwright (never `playwright install`); browser tests skip without it.
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +54,10 @@ def store_url(request, tmp_path) -> str:
         yield f"sqlite:///{tmp_path / 'phalanx.db'}"
         return
     if not POSTGRES_URL:
-        pytest.skip("no PostgreSQL server: set PHALANX_TEST_POSTGRES_URL (bash scripts/start_postgres.sh "
-                    "starts one; .ci/run does)")
+        pytest.skip(
+            "no PostgreSQL server: set PHALANX_TEST_POSTGRES_URL (bash scripts/start_postgres.sh "
+            "starts one; .ci/run does)"
+        )
     with fresh_postgres_database() as url:  # a database per test: tests never see each other's runs
         yield url
 
@@ -59,8 +68,9 @@ def fresh_postgres_database() -> Iterator[str]:
     import sqlalchemy as sa
 
     name = f"phalanx_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1),
-                             isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(
+        POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1), isolation_level="AUTOCOMMIT"
+    )
     with admin.connect() as conn:
         conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
     try:

@@ -16,7 +16,7 @@ class TcpRelay:
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
 
-    def up(self) -> "TcpRelay":
+    def up(self) -> TcpRelay:
         """Listen (on the same port as before, after a down())."""
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -23,19 +23,56 @@ RANKS, SLOW_RANK = 4, 2
 EVIL = '<img src=x onerror="document.body.dataset.pwned=1">'
 
 
-def fill_run(store: RunStore, root: Path, name: str, steps: int, ranks: int = RANKS, status: str | None = "finished",
-             events: list[dict] | None = None) -> int:
+def fill_run(
+    store: RunStore,
+    root: Path,
+    name: str,
+    steps: int,
+    ranks: int = RANKS,
+    status: str | None = "finished",
+    events: list[dict] | None = None,
+) -> int:
     """A run with `steps` trained steps (validation every 10), every rank's timings, and its events."""
-    run_id = store.start_run(name, root / name, {"run": {"name": name}, "train": {"max_steps": 30, "lr": 3e-4}},
-                             "tiny (0.1M)", ranks, 30, "node-a")
+    run_id = store.start_run(
+        name,
+        root / name,
+        {"run": {"name": name}, "train": {"max_steps": 30, "lr": 3e-4}},
+        "tiny (0.1M)",
+        ranks,
+        30,
+        "node-a",
+    )
     t0 = 1_700_000_000.0
-    metrics = [{"step": s, "time": t0 + s, "loss": 6.0 - 0.1 * s, "lr": 3e-4, "grad_norm": 1.0, "tokens_per_sec": 1e4,
-                "mfu": 0.3, "peak_mem_gib": 1.5, "step_seconds": 0.5} for s in range(1, steps + 1)]
-    metrics += [{"step": s, "time": t0 + s, "val_loss": 6.1 - 0.1 * s, "eval_seconds": 0.2}
-                for s in range(10, steps + 1, 10)]
-    rank_records = [{"step": s, "rank": r, "node": "node-a", "time": t0 + s, "step_seconds": 0.5,
-                     "compute_seconds": 0.6 if r == SLOW_RANK else 0.3, "data_seconds": 0.01}
-                    for s in range(1, steps + 1) for r in range(ranks)]
+    metrics = [
+        {
+            "step": s,
+            "time": t0 + s,
+            "loss": 6.0 - 0.1 * s,
+            "lr": 3e-4,
+            "grad_norm": 1.0,
+            "tokens_per_sec": 1e4,
+            "mfu": 0.3,
+            "peak_mem_gib": 1.5,
+            "step_seconds": 0.5,
+        }
+        for s in range(1, steps + 1)
+    ]
+    metrics += [
+        {"step": s, "time": t0 + s, "val_loss": 6.1 - 0.1 * s, "eval_seconds": 0.2} for s in range(10, steps + 1, 10)
+    ]
+    rank_records = [
+        {
+            "step": s,
+            "rank": r,
+            "node": "node-a",
+            "time": t0 + s,
+            "step_seconds": 0.5,
+            "compute_seconds": 0.6 if r == SLOW_RANK else 0.3,
+            "data_seconds": 0.01,
+        }
+        for s in range(1, steps + 1)
+        for r in range(ranks)
+    ]
     store.ingest(run_id, metrics, rank_records, events or [], {})
     if status is not None:
         store.finish_run(run_id, status)
@@ -47,13 +84,22 @@ def store(tmp_path_factory) -> SimpleNamespace:
     """The store and the ids of its runs: finished, running, just started, and one named like an attack."""
     root = tmp_path_factory.mktemp("dash-api")
     store = RunStore.open(None, root)
-    events = [{"kind": "worker_failed", "time": 1_700_000_012.0, "rank": 1, "node": "node-a", "exitcode": -9,
-               "step": 12},
-              {"kind": "restart", "time": 1_700_000_013.0, "node": "node-a", "rank": None, "attempt": 1},
-              {"kind": "anomaly", "time": 1_700_000_020.0, "rank": 0, "node": "node-a", "message": EVIL}]
+    events = [
+        {"kind": "worker_failed", "time": 1_700_000_012.0, "rank": 1, "node": "node-a", "exitcode": -9, "step": 12},
+        {"kind": "restart", "time": 1_700_000_013.0, "node": "node-a", "rank": None, "attempt": 1},
+        {"kind": "anomaly", "time": 1_700_000_020.0, "rank": 0, "node": "node-a", "message": EVIL},
+    ]
     alpha = fill_run(store, root, "alpha", 30, events=events)
-    store.set_goodput(alpha, {"restarts": 1, "faults": {"crash": 1}, "stragglers": [], "ettr": 0.8,
-                              "goodput": {"productive": 80.0, "redone": 5.0, "restart": 15.0}})
+    store.set_goodput(
+        alpha,
+        {
+            "restarts": 1,
+            "faults": {"crash": 1},
+            "stragglers": [],
+            "ettr": 0.8,
+            "goodput": {"productive": 80.0, "redone": 5.0, "restart": 15.0},
+        },
+    )
     beta = fill_run(store, root, "beta", 20, status=None)
     empty = store.start_run("empty", root / "empty", {}, "tiny", 1, 30, "node-a")
     evil = fill_run(store, root, "<script>alert(1)</script>", 3)
@@ -81,12 +127,31 @@ def test_runs_api_lists_every_run_newest_first(client, store):
 def test_run_api_holds_page_data_and_figures_of_every_chart(client, store):
     body = client.get(f"/api/runs/{store.alpha}").json()
     assert set(body) >= {"run", "series", "heatmap", "events", "goodput", "figures", "config_yaml"}
-    assert yaml.safe_load(body["config_yaml"]) == body["run"]["config"] == {"run": {"name": "alpha"},
-                                                                            "train": {"max_steps": 30, "lr": 3e-4}}
+    assert (
+        yaml.safe_load(body["config_yaml"])
+        == body["run"]["config"]
+        == {"run": {"name": "alpha"}, "train": {"max_steps": 30, "lr": 3e-4}}
+    )
     figures = body["figures"]
-    assert set(figures) == {"loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "peak_mem_gib", "step_seconds",
-                            "heatmap", "events", "goodput", "sys_cpu", "sys_memory", "sys_disk", "sys_device_util",
-                            "sys_device_memory", "sys_device_temp", "sys_device_power"}
+    assert set(figures) == {
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_sec",
+        "mfu",
+        "peak_mem_gib",
+        "step_seconds",
+        "heatmap",
+        "events",
+        "goodput",
+        "sys_cpu",
+        "sys_memory",
+        "sys_disk",
+        "sys_device_util",
+        "sys_device_memory",
+        "sys_device_temp",
+        "sys_device_power",
+    }
     train, val, restart = figures["loss"]["data"]
     assert restart["name"] == "restart" and restart["x"] == [13]  # the restart, at the step logged before it
     assert train["x"] == list(range(1, 31)) and train["y"][0] == pytest.approx(5.9)
@@ -109,7 +174,7 @@ def test_run_api_holds_page_data_and_figures_of_every_chart(client, store):
 
 def test_every_figure_passes_plotly_validation(client, store):
     for run_id in (store.alpha, store.beta, store.empty):
-        for name, figure in client.get(f"/api/runs/{run_id}").json()["figures"].items():
+        for figure in client.get(f"/api/runs/{run_id}").json()["figures"].values():
             go.Figure(figure)  # raises on any property outside Plotly's schema
     for figure in client.get(f"/api/compare?ids={store.alpha},{store.beta}").json()["figures"].values():
         go.Figure(figure)
@@ -130,12 +195,22 @@ def test_compare_overlays_train_and_validation_loss(client, store):
     assert [t["x"] for t in body["figures"]["val_loss"]["data"]] == [[10, 20], [10, 20, 30]]
 
 
-@pytest.mark.parametrize("path, status", [
-    ("/api/runs/abc", 400), ("/api/runs/0", 400), ("/api/runs/-1", 400), ("/api/runs/%C2%B2", 400),
-    ("/api/runs/" + "9" * 30, 400), ("/api/runs/999", 404),
-    ("/api/compare", 400), ("/api/compare?ids=", 400), ("/api/compare?ids=1,x", 400), ("/api/compare?ids=1,999", 404),
-    ("/api/compare?ids=" + ",".join(map(str, range(1, 30))), 400),
-])
+@pytest.mark.parametrize(
+    "path, status",
+    [
+        ("/api/runs/abc", 400),
+        ("/api/runs/0", 400),
+        ("/api/runs/-1", 400),
+        ("/api/runs/%C2%B2", 400),
+        ("/api/runs/" + "9" * 30, 400),
+        ("/api/runs/999", 404),
+        ("/api/compare", 400),
+        ("/api/compare?ids=", 400),
+        ("/api/compare?ids=1,x", 400),
+        ("/api/compare?ids=1,999", 404),
+        ("/api/compare?ids=" + ",".join(map(str, range(1, 30))), 400),
+    ],
+)
 def test_bad_and_unknown_ids_are_answered_with_json_errors(client, path, status):
     response = client.get(path)
     assert response.status_code == status

@@ -43,11 +43,14 @@ def test_serving_beyond_loopback_without_a_token_is_refused(runs_dir):
     assert "--token" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--token", "short"], "at least 16 characters"),
-    (["--store", "x.db"], "not both"),
-    (["--port", "99999"], "65535"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--token", "short"], "at least 16 characters"),
+        (["--store", "x.db"], "not both"),
+        (["--port", "99999"], "65535"),
+    ],
+)
 def test_bad_options_are_one_line_errors(runs_dir, args, message):
     proc = phalanx("dashboard", "--runs", str(runs_dir), *args, check=False, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
@@ -61,8 +64,13 @@ def test_a_missing_store_is_a_one_line_error(tmp_path):
 
 def test_the_command_serves_and_takes_its_token_from_the_environment(runs_dir):
     env = {**os.environ, "PHALANX_DASHBOARD_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "dashboard", "--runs", str(runs_dir), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "dashboard", "--runs", str(runs_dir), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         assert "token required" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
@@ -90,8 +98,9 @@ def test_a_taken_port_is_a_one_line_error(runs_dir, url):
     assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr
 
 
-@pytest.mark.parametrize("path", ["/api/runs", "/api/runs/1", "/api/compare?ids=1", "/metrics", "/static/plotly.min.js",
-                                  "/static/run.js"])
+@pytest.mark.parametrize(
+    "path", ["/api/runs", "/api/runs/1", "/api/compare?ids=1", "/metrics", "/static/plotly.min.js", "/static/run.js"]
+)
 def test_machine_paths_need_the_token(url, path):
     response = httpx.get(url + path)
     assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"

@@ -22,8 +22,9 @@ TOKEN = "browser-test-token-0123456789"
 RUN = "dash-drill"
 EVIL = '<img src=x onerror="document.body.dataset.pwned=1">'
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(),
-                                reason=f"no Chromium at {CHROMIUM} (apt-get install -y chromium; CI installs it)")
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).is_file(), reason=f"no Chromium at {CHROMIUM} (apt-get install -y chromium; CI installs it)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,16 @@ def drill(corpus, tmp_path_factory):
     from tests.conftest import TINY
 
     root = tmp_path_factory.mktemp("dash-browser")
-    summary = train_json(*TINY, f"data.sources=[{corpus}]", f"run.dir={root}", f"run.name={RUN}",
-                         "safe.inject=[{fault: kill, rank: 0, step: 6}]", "safe.hang_floor_s=2", "--nproc", "2")
+    summary = train_json(
+        *TINY,
+        f"data.sources=[{corpus}]",
+        f"run.dir={root}",
+        f"run.name={RUN}",
+        "safe.inject=[{fault: kill, rank: 0, step: 6}]",
+        "safe.hang_floor_s=2",
+        "--nproc",
+        "2",
+    )
     assert summary["restarts"] == 1
     store = RunStore.open(None, root, create=False)
     yield {"root": root, "store": store, "run": store.find_run(RUN), "run_dir": Path(summary["run_dir"])}
@@ -108,10 +117,12 @@ def test_run_page_follows_a_training_run_live(url, page, drill):
     run_id = store.start_run("live", drill["root"] / "live", {"train": {"max_steps": 10}}, "tiny", 1, 10, "node-a")
 
     def add_steps(first: int, last: int) -> None:
-        records = [{"step": s, "loss": 6.0 - 0.1 * s, "time": time.time(), "step_seconds": 0.1}
-                   for s in range(first, last + 1)]
-        store.ingest(run_id, records, [{"step": s, "rank": 0, "compute_seconds": 0.1} for s in range(first, last + 1)],
-                     [], {})
+        records = [
+            {"step": s, "loss": 6.0 - 0.1 * s, "time": time.time(), "step_seconds": 0.1} for s in range(first, last + 1)
+        ]
+        store.ingest(
+            run_id, records, [{"step": s, "rank": 0, "compute_seconds": 0.1} for s in range(first, last + 1)], [], {}
+        )
 
     add_steps(1, 3)
     page.goto(f"{url}/runs/{run_id}")
@@ -128,8 +139,7 @@ def test_run_page_follows_a_training_run_live(url, page, drill):
 def test_compare_page_overlays_the_runs_ticked_in_the_list(url, page, drill, screenshots):
     store = drill["store"]
     other = store.start_run("other", drill["root"] / "other", {}, "tiny", 1, 12, "node-a")
-    store.ingest(other, [{"step": s, "loss": 5.5 - 0.05 * s, "time": time.time()} for s in range(1, 9)],
-                 [], [], {})
+    store.ingest(other, [{"step": s, "loss": 5.5 - 0.05 * s, "time": time.time()} for s in range(1, 9)], [], [], {})
     page.goto(url)
     for name in (RUN, "other"):
         row = page.locator("#runs-body tr", has=page.get_by_role("link", name=name, exact=True))
@@ -149,8 +159,13 @@ def test_compare_page_overlays_the_runs_ticked_in_the_list(url, page, drill, scr
 def test_html_in_names_and_event_details_is_shown_as_text(url, page, drill):
     store = drill["store"]
     run_id = store.start_run(EVIL, drill["root"] / "evil", {"note": EVIL}, EVIL, 1, 5, EVIL)
-    store.ingest(run_id, [{"step": 1, "loss": 5.0, "time": time.time()}], [],
-                 [{"kind": "anomaly", "time": time.time(), "rank": 0, "node": EVIL, "message": EVIL}], {})
+    store.ingest(
+        run_id,
+        [{"step": 1, "loss": 5.0, "time": time.time()}],
+        [],
+        [{"kind": "anomaly", "time": time.time(), "rank": 0, "node": EVIL, "message": EVIL}],
+        {},
+    )
     page.goto(url)
     page.get_by_role("link", name=EVIL, exact=True).wait_for()
     page.goto(f"{url}/runs/{run_id}")

@@ -17,17 +17,20 @@ from phalanx.observe.app import create_app, running
 from phalanx.observe.figures import COMPARE_CHARTS
 from phalanx.observe.store import RunStore
 from tests.helpers import train_json
-from tests.observe.dashboard_runs import fill_run
 from tests.observe.conftest import CHROMIUM
+from tests.observe.dashboard_runs import fill_run
 from tests.observe.test_dashboard_browser import figure
 
 RUN = "charts-drill"
 TOKEN = "charts-browser-token-0123456789"
 TOKENS_PER_STEP = 8 * 32  # TINY's global batch x sequence length
 
-pytestmark = [pytest.mark.slow,  # each test here takes over 5 s (TESTING.md)
-              pytest.mark.skipif(not Path(CHROMIUM).is_file(),
-                                 reason=f"no Chromium at {CHROMIUM} (apt-get install -y chromium; CI installs it)")]
+pytestmark = [
+    pytest.mark.slow,  # each test here takes over 5 s (TESTING.md)
+    pytest.mark.skipif(
+        not Path(CHROMIUM).is_file(), reason=f"no Chromium at {CHROMIUM} (apt-get install -y chromium; CI installs it)"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +38,16 @@ def site(corpus, tmp_path_factory):
     from tests.conftest import TINY
 
     root = tmp_path_factory.mktemp("dash-charts-browser")
-    summary = train_json(*TINY, f"data.sources=[{corpus}]", f"run.dir={root}", f"run.name={RUN}",
-                         "safe.inject=[{fault: kill, rank: 0, step: 6}]", "observe.telemetry_interval_s=0.5",
-                         "--nproc", "2")
+    summary = train_json(
+        *TINY,
+        f"data.sources=[{corpus}]",
+        f"run.dir={root}",
+        f"run.name={RUN}",
+        "safe.inject=[{fault: kill, rank: 0, step: 6}]",
+        "observe.telemetry_interval_s=0.5",
+        "--nproc",
+        "2",
+    )
     assert summary["restarts"] >= 1
     store = RunStore.open(None, root, create=False)
     real = store.find_run(RUN)["id"]
@@ -45,8 +55,9 @@ def site(corpus, tmp_path_factory):
     cpu = fill_run(store, root, "cpu-run", gpus=False, mfu=False, lr=1e-3)
     store.annotate(gpu, ["baseline", "gpu"], "the reference run")
     with running(create_app(store)) as url:
-        yield SimpleNamespace(url=url, store=store, root=root, real=real, gpu=gpu, cpu=cpu,
-                              restarts=summary["restarts"])
+        yield SimpleNamespace(
+            url=url, store=store, root=root, real=real, gpu=gpu, cpu=cpu, restarts=summary["restarts"]
+        )
     store.close()
 
 
@@ -147,8 +158,9 @@ def test_a_gpu_run_draws_each_device_and_a_heatmap_without_the_warm_up_glare(sit
     for name in ("util", "temp", "power"):
         assert [t["name"] for t in figure(page, f"sys_device_{name}")] == ["node-a #0", "node-a #1"], name
     assert [t["name"] for t in figure(page, "sys_device_memory")] == ["node-a #0 (of 80 GiB)", "node-a #1 (of 80 GiB)"]
-    heatmap = page.evaluate('() => { const t = document.getElementById("fig-heatmap").data[0];'
-                            ' return {zmin: t.zmin, zmax: t.zmax}; }')
+    heatmap = page.evaluate(
+        '() => { const t = document.getElementById("fig-heatmap").data[0]; return {zmin: t.zmin, zmax: t.zmax}; }'
+    )
     assert heatmap == {"zmin": pytest.approx(0.5), "zmax": pytest.approx(0.8)}
     assert "warm-up steps 1, 16" in layout(page, "heatmap")["title"]["text"]
     assert page.locator("#run-tags .tag").all_inner_texts() == ["baseline", "gpu"]

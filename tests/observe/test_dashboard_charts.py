@@ -22,8 +22,14 @@ from phalanx.observe.follower import RunFollower
 from phalanx.observe.store import RunStore
 from phalanx.run.records import JsonlEventSink
 from phalanx.safe.telemetry import TelemetrySampler
-from tests.observe.dashboard_runs import (CHECKPOINT_EVERY, RESTART_AT, RESUMED_FROM, ROLLBACK_AT, TOKENS_PER_STEP,
-                                          fill_run)
+from tests.observe.dashboard_runs import (
+    CHECKPOINT_EVERY,
+    RESTART_AT,
+    RESUMED_FROM,
+    ROLLBACK_AT,
+    TOKENS_PER_STEP,
+    fill_run,
+)
 
 TOKEN = "charts-test-token-0123456789"
 
@@ -117,7 +123,7 @@ def test_smoothing_draws_a_moving_average_over_the_faint_raw_line(client, runs):
     expected, average = [], 0.0
     for i, value in enumerate(raw["y"], start=1):
         average = 0.6 * average + 0.4 * value
-        expected.append(average / (1 - 0.6 ** i))
+        expected.append(average / (1 - 0.6**i))
     assert smooth["y"] == pytest.approx(expected)
     assert smooth["y"][0] == pytest.approx(raw["y"][0])  # debiased: the first point is not pulled to 0
     assert [t["name"] for t in body["figures"]["lr"]["data"]] == ["Learning rate"]  # a schedule is not smoothed
@@ -133,14 +139,17 @@ def test_log_scale_applies_to_the_curves_but_not_the_learning_rate(client, runs)
     assert "type" not in run_json(client, runs.gpu)["figures"]["loss"]["layout"]["yaxis"]
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"x": "epoch"}, "x must be one of step, tokens, time"),
-    ({"smooth": "2"}, "smooth must be a number from 0 to 0.99"),
-    ({"smooth": "abc"}, "smooth must be a number"),
-    ({"smooth": "nan"}, "smooth must be a number"),
-    ({"smooth": "-0.1"}, "smooth must be a number"),
-    ({"log": "yes"}, "log must be 0 or 1"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"x": "epoch"}, "x must be one of step, tokens, time"),
+        ({"smooth": "2"}, "smooth must be a number from 0 to 0.99"),
+        ({"smooth": "abc"}, "smooth must be a number"),
+        ({"smooth": "nan"}, "smooth must be a number"),
+        ({"smooth": "-0.1"}, "smooth must be a number"),
+        ({"log": "yes"}, "log must be 0 or 1"),
+    ],
+)
 def test_bad_chart_options_are_400_with_what_is_allowed(client, runs, params, message):
     for path, query in ((f"/api/runs/{runs.gpu}", {}), ("/api/compare", {"ids": f"{runs.gpu},{runs.cpu}"})):
         response = client.get(path, params={**query, **params})
@@ -150,8 +159,9 @@ def test_bad_chart_options_are_400_with_what_is_allowed(client, runs, params, me
 # -- marks ---------------------------------------------------------------------------------------------
 def test_restarts_rollbacks_and_checkpoint_saves_are_vertical_lines_on_loss_and_throughput(client, runs):
     figures = run_json(client, runs.gpu)["figures"]
-    saves = [CHECKPOINT_EVERY * k for k in range(1, RESTART_AT // CHECKPOINT_EVERY + 1)] + \
-            list(range(RESTART_AT, 41, CHECKPOINT_EVERY))  # step 20 saved by both attempts
+    saves = [CHECKPOINT_EVERY * k for k in range(1, RESTART_AT // CHECKPOINT_EVERY + 1)] + list(
+        range(RESTART_AT, 41, CHECKPOINT_EVERY)
+    )  # step 20 saved by both attempts
     for name in ("loss", "tokens_per_sec"):
         figure = figures[name]
         lines = {(s["line"]["dash"], s["x0"]) for s in figure["layout"]["shapes"]}
@@ -202,7 +212,11 @@ def test_system_charts_show_every_node_and_device_from_the_stored_telemetry(clie
     assert traces(figures["sys_device_power"])["node-a #1"]["y"][0] == 310.0
     cpu = run_json(client, runs.cpu)
     assert {k for k, v in cpu["hidden"].items() if v == NO_DEVICE_TELEMETRY} == {
-        "sys_device_util", "sys_device_memory", "sys_device_temp", "sys_device_power"}
+        "sys_device_util",
+        "sys_device_memory",
+        "sys_device_temp",
+        "sys_device_power",
+    }
     assert "sys_cpu" not in cpu["hidden"]
     bare = run_json(client, runs.bare)
     assert bare["hidden"]["sys_cpu"] == NO_TELEMETRY
@@ -233,8 +247,10 @@ def test_each_event_gets_the_step_it_happened_at(client, runs):
 # -- compare -------------------------------------------------------------------------------------------
 def test_compare_shows_where_the_configs_differ_and_every_chart(client, runs):
     body = client.get(f"/api/compare?ids={runs.gpu},{runs.cpu}").json()
-    assert body["config_diff"] == [{"key": "parallel.device", "values": ["auto", "cpu"]},
-                                   {"key": "train.lr", "values": [3e-4, 1e-3]}]  # run.* left out
+    assert body["config_diff"] == [
+        {"key": "parallel.device", "values": ["auto", "cpu"]},
+        {"key": "train.lr", "values": [3e-4, 1e-3]},
+    ]  # run.* left out
     assert set(body["figures"]) == {key for key, *_ in COMPARE_CHARTS}
     for key in ("tokens_per_sec", "grad_norm", "step_seconds", "lr"):
         assert [len(t["x"]) for t in body["figures"][key]["data"]] == [40, 40], key
@@ -249,8 +265,12 @@ def test_compare_shows_where_the_configs_differ_and_every_chart(client, runs):
 def test_compare_by_time_starts_every_run_at_zero_and_smooths(client, runs):
     body = client.get(f"/api/compare?ids={runs.gpu},{runs.cpu}&x=time&smooth=0.5&log=1").json()
     loss = body["figures"]["train_loss"]
-    assert [t["name"] for t in loss["data"]] == ["gpu-run (#1) (raw)", "gpu-run (#1)", "cpu-run (#2) (raw)",
-                                                 "cpu-run (#2)"]
+    assert [t["name"] for t in loss["data"]] == [
+        "gpu-run (#1) (raw)",
+        "gpu-run (#1)",
+        "cpu-run (#2) (raw)",
+        "cpu-run (#2)",
+    ]
     assert loss["data"][0]["x"][0] == 0 and loss["layout"]["xaxis"]["title"]["text"].startswith("time since")
     assert loss["data"][0]["y"].count(None) == 1  # the restart breaks the line here too
     assert loss["layout"]["yaxis"]["type"] == "log"
@@ -282,27 +302,32 @@ def test_tags_and_a_note_are_set_with_a_json_patch(client, runs):
     response = client.patch(url, json={"tags": [" baseline ", "cpu", "baseline"], "note": "reference on CPU"})
     assert response.status_code == 200
     assert response.json() == {"tags": ["baseline", "cpu"], "note": "reference on CPU"}
-    assert client.patch(url, json={"note": "only the note"}).json() == {"tags": ["baseline", "cpu"],
-                                                                        "note": "only the note"}
+    assert client.patch(url, json={"note": "only the note"}).json() == {
+        "tags": ["baseline", "cpu"],
+        "note": "only the note",
+    }
     listed = {r["id"]: r for r in client.get("/api/runs").json()["runs"]}[runs.cpu]
     assert listed["tags"] == ["baseline", "cpu"] and listed["note"] == "only the note"
     assert run_json(client, runs.cpu)["run"]["tags"] == ["baseline", "cpu"]
     assert client.patch(url, json={"tags": [], "note": ""}).json() == {"tags": [], "note": None}
 
 
-@pytest.mark.parametrize("body, status, message", [
-    ({"tags": "baseline"}, 400, "tags must be a list of strings"),
-    ({"tags": [1, 2]}, 400, "tags must be a list of strings"),
-    ({"tags": ["a,b"]}, 400, "without commas"),
-    ({"tags": ["x" * 41]}, 400, "at most 40 printable characters"),
-    ({"tags": ["bell\a"]}, 400, "printable"),
-    ({"tags": [f"t{i}" for i in range(21)]}, 400, "at most 20"),
-    ({"note": 5}, 400, "note must be a string"),
-    ({"note": "x" * 4001}, 400, "at most 4000"),
-    ({"status": "finished"}, 400, 'a JSON object with "tags"'),
-    ({}, 400, 'a JSON object with "tags"'),
-    (["tags"], 400, 'a JSON object with "tags"'),
-])
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"tags": "baseline"}, 400, "tags must be a list of strings"),
+        ({"tags": [1, 2]}, 400, "tags must be a list of strings"),
+        ({"tags": ["a,b"]}, 400, "without commas"),
+        ({"tags": ["x" * 41]}, 400, "at most 40 printable characters"),
+        ({"tags": ["bell\a"]}, 400, "printable"),
+        ({"tags": [f"t{i}" for i in range(21)]}, 400, "at most 20"),
+        ({"note": 5}, 400, "note must be a string"),
+        ({"note": "x" * 4001}, 400, "at most 4000"),
+        ({"status": "finished"}, 400, 'a JSON object with "tags"'),
+        ({}, 400, 'a JSON object with "tags"'),
+        (["tags"], 400, 'a JSON object with "tags"'),
+    ],
+)
 def test_bad_tags_and_notes_are_400_and_change_nothing(client, runs, body, status, message):
     before = client.get(f"/api/runs/{runs.bare}").json()["run"]
     response = client.patch(f"/api/runs/{runs.bare}", json=body)
@@ -329,8 +354,9 @@ def test_with_a_token_only_its_holders_can_edit(runs):
     with running(create_app(runs.store, token=TOKEN)) as url, httpx.Client(base_url=url, timeout=30) as client:
         refused = client.patch(f"/api/runs/{runs.cpu2}", json={"note": "anonymous"})
         assert refused.status_code == 401
-        allowed = client.patch(f"/api/runs/{runs.cpu2}", json={"note": "token holder"},
-                               headers={"Authorization": f"Bearer {TOKEN}"})
+        allowed = client.patch(
+            f"/api/runs/{runs.cpu2}", json={"note": "token holder"}, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         assert allowed.status_code == 200 and allowed.json()["note"] == "token holder"
     assert runs.store.run(runs.cpu2)["note"] == "token holder"
 
@@ -362,12 +388,29 @@ def test_long_telemetry_is_sampled_evenly_short_telemetry_is_not(store_url, tmp_
     run_id = store.start_run("t", tmp_path / "t", {}, "tiny", 8, 10, "n")
 
     def sample(i: int, node: str) -> dict:
-        return {"time": 1000.0 + 5 * i, "node": node,
-                "host": {"cpu_ratio": 0.5, "memory_used_bytes": 2**33, "memory_total_bytes": 2**36,
-                         "disk_free_bytes": 10**12, "load1": 1.0},
-                "devices": [{"device": d, "utilization_ratio": i / 3000, "temperature_c": 50.0 + d, "power_w": None,
-                             "memory_used_bytes": 10**9, "memory_total_bytes": 8 * 10**10, "ecc_uncorrectable": 0}
-                            for d in range(2)]}
+        return {
+            "time": 1000.0 + 5 * i,
+            "node": node,
+            "host": {
+                "cpu_ratio": 0.5,
+                "memory_used_bytes": 2**33,
+                "memory_total_bytes": 2**36,
+                "disk_free_bytes": 10**12,
+                "load1": 1.0,
+            },
+            "devices": [
+                {
+                    "device": d,
+                    "utilization_ratio": i / 3000,
+                    "temperature_c": 50.0 + d,
+                    "power_w": None,
+                    "memory_used_bytes": 10**9,
+                    "memory_total_bytes": 8 * 10**10,
+                    "ecc_uncorrectable": 0,
+                }
+                for d in range(2)
+            ],
+        }
 
     samples = [sample(i, node) for i in range(3000) for node in ("node-a", "node-b")]
     store.ingest(run_id, [], [], [], {}, samples[:10])
@@ -375,10 +418,14 @@ def test_long_telemetry_is_sampled_evenly_short_telemetry_is_not(store_url, tmp_
     assert [len(s["time"]) for s in short["host"]] == [5, 5]
     assert short["host"][0]["time"] == [1000.0 + 5 * i for i in range(5)]
     for start in range(10, len(samples), 1000):  # as the follower sends them: batch after batch
-        store.ingest(run_id, [], [], [], {}, samples[start:start + 1000])
+        store.ingest(run_id, [], [], [], {}, samples[start : start + 1000])
     long = store.telemetry(run_id, max_points=100)
-    assert [(s["node"], s["device"]) for s in long["devices"]] == [("node-a", 0), ("node-a", 1), ("node-b", 0),
-                                                                   ("node-b", 1)]
+    assert [(s["node"], s["device"]) for s in long["devices"]] == [
+        ("node-a", 0),
+        ("node-a", 1),
+        ("node-b", 0),
+        ("node-b", 1),
+    ]
     for series in long["devices"]:
         assert len(series["time"]) == 100 and series["time"][-1] == 1000.0 + 5 * 2999  # the newest is shown
         gaps = {round(b - a, 6) for a, b in zip(series["time"], series["time"][1:])}
@@ -392,8 +439,9 @@ def test_long_telemetry_is_sampled_evenly_short_telemetry_is_not(store_url, tmp_
 def test_steps_at_finds_the_step_a_run_was_at(store_url, tmp_path):
     store = RunStore(store_url)
     run_id = store.start_run("s", tmp_path / "s", {}, "tiny", 1, 10, "n")
-    rows = [{"step": s, "loss": 1.0, "time": float(s)} for s in (1, 2, 3, 4)] + \
-           [{"step": s, "loss": 1.0, "time": float(s + 10)} for s in (3, 4, 5)]  # 3-4 redone after a restart
+    rows = [{"step": s, "loss": 1.0, "time": float(s)} for s in (1, 2, 3, 4)] + [
+        {"step": s, "loss": 1.0, "time": float(s + 10)} for s in (3, 4, 5)
+    ]  # 3-4 redone after a restart
     store.ingest(run_id, rows, [], [], {})
     assert store.steps_at(run_id, [0.5, 1.0, 4.5, 12.0, 13.5, 99.0]) == [0, 1, 4, 4, 3, 5]
     store.close()
@@ -412,10 +460,19 @@ def test_migration_0003_gives_old_runs_their_tokens_and_can_be_undone(store_url)
         config.attributes["connection"] = conn
         command.upgrade(config, "0002")
         train = json.dumps({"train": {"global_batch_size": 8, "seq_len": 32}})
-        conn.execute(sa.text("INSERT INTO runs (name, dir, status, started_at, updated_at, restarts, last_step, config) "
-                             "VALUES ('old', '/runs/old', 'finished', 1.0, 1.0, 0, 3, :config)"), {"config": train})
-        conn.execute(sa.text("INSERT INTO runs (name, dir, status, started_at, updated_at, restarts, config) "
-                             "VALUES ('odd', '/runs/odd', 'finished', 1.0, 1.0, 0, 'not json')"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO runs (name, dir, status, started_at, updated_at, restarts, last_step, config) "
+                "VALUES ('old', '/runs/old', 'finished', 1.0, 1.0, 0, 3, :config)"
+            ),
+            {"config": train},
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO runs (name, dir, status, started_at, updated_at, restarts, config) "
+                "VALUES ('odd', '/runs/odd', 'finished', 1.0, 1.0, 0, 'not json')"
+            )
+        )
         for step in (1, 2, 3):
             conn.execute(sa.text("INSERT INTO steps (run_id, step, time, loss) VALUES (1, :s, :s, 2.0)"), {"s": step})
         conn.execute(sa.text("INSERT INTO steps (run_id, step, time, val_loss) VALUES (1, 3, 3.0, 2.5)"))

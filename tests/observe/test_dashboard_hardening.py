@@ -27,9 +27,13 @@ from tests.helpers import phalanx
 
 TOKEN = "hardening-token-0123456789"
 PASSWORD = "S3cretPassw0rd"
-CONFIG = {"run": {"name": "leaky"}, "observe": {"store": f"postgresql://phalanx:{PASSWORD}@db-host:5432/phalanx"},
-          "train": {"max_steps": 10, "lr": 3e-4}, "data": {"tokenizer": "tok.json", "max_tokens": 3},
-          "hub": {"hf_token": "hf_abcdefghijklmnop", "apiKey": "sk-abcdef", "webhook": "https://x.example/?token=t0k3n"}}
+CONFIG = {
+    "run": {"name": "leaky"},
+    "observe": {"store": f"postgresql://phalanx:{PASSWORD}@db-host:5432/phalanx"},
+    "train": {"max_steps": 10, "lr": 3e-4},
+    "data": {"tokenizer": "tok.json", "max_tokens": 3},
+    "hub": {"hf_token": "hf_abcdefghijklmnop", "apiKey": "sk-abcdef", "webhook": "https://x.example/?token=t0k3n"},
+}
 SECRETS = (PASSWORD, "hf_abcdefghijklmnop", "sk-abcdef", "t0k3n")
 
 
@@ -38,8 +42,9 @@ def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dash-hardening")
     store = RunStore.open(None, root)
     run_id = store.start_run("leaky", root / "leaky", CONFIG, "tiny", 1, 10, "node-a")
-    store.ingest(run_id, [{"step": 1, "loss": 5.0, "time": time.time(), "tokens_seen": 256, "tokens_per_sec": 9.0}],
-                 [], [], {})
+    store.ingest(
+        run_id, [{"step": 1, "loss": 5.0, "time": time.time(), "tokens_seen": 256, "tokens_per_sec": 9.0}], [], [], {}
+    )
     # A row as an older phalanx stored it, secrets and all: redacted on the way out too.
     old = store.start_run("older", root / "older", {}, "tiny", 1, 10, "node-a")
     with store.engine.begin() as conn:
@@ -67,11 +72,14 @@ def leaked(text: str) -> list[str]:
 
 # ---- 6. secrets ----------------------------------------------------------------------------------------
 
+
 def test_one_redaction_rule_for_urls_and_secret_names():
     assert redact_url(f"postgresql://phalanx:{PASSWORD}@db/x") == "postgresql://phalanx:***@db/x"
     assert redact_url("postgresql://u:p@ss@db/x") == "postgresql://u:***@db/x"  # an @ in the password
-    assert redact_url("postgresql://phalanx@db/x?sslpassword=abc&sslmode=require") == \
-        "postgresql://phalanx@db/x?sslpassword=***&sslmode=require"
+    assert (
+        redact_url("postgresql://phalanx@db/x?sslpassword=abc&sslmode=require")
+        == "postgresql://phalanx@db/x?sslpassword=***&sslmode=require"
+    )
     assert redact_url("sqlite:////runs/phalanx.db") == "sqlite:////runs/phalanx.db"
     shown = redact(CONFIG)
     assert shown["observe"]["store"] == "postgresql://phalanx:***@db-host:5432/phalanx"
@@ -113,6 +121,7 @@ def test_runs_show_and_compare_show_no_secret(root, name):
 
 # ---- 5. foreign Hosts and Origins, JSON bodies, slow bodies ---------------------------------------------
 
+
 def test_foreign_host_names_are_refused(url):
     port = url.rsplit(":", 1)[1]
     for path in ("/", "/api/runs", "/metrics", "/login"):
@@ -148,8 +157,9 @@ def test_foreign_origins_are_refused_without_cors_grants(url, store):
 def test_api_bodies_must_be_json(url, store):
     run_id = store.find_run("leaky")["id"]
     for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
-        response = httpx.patch(f"{url}/api/runs/{run_id}", content=json.dumps({"note": "x"}),
-                               headers={"Content-Type": kind})
+        response = httpx.patch(
+            f"{url}/api/runs/{run_id}", content=json.dumps({"note": "x"}), headers={"Content-Type": kind}
+        )
         assert response.status_code == 415 and "application/json" in response.json()["error"], kind
 
 
@@ -166,17 +176,26 @@ def test_large_bodies_are_refused_before_they_are_read(store):
     with running(create_app(store, token=TOKEN)) as url:
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # declares 400 MiB, sends none
-            sock.sendall(f"POST /login HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
-                         f"application/x-www-form-urlencoded\r\nContent-Length: {400 << 20}\r\n\r\n".encode())
+            sock.sendall(
+                f"POST /login HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                f"application/x-www-form-urlencoded\r\nContent-Length: {400 << 20}\r\n\r\n".encode()
+            )
             assert sock.recv(65536).startswith(b"HTTP/1.1 413 ")
-        login = httpx.post(f"{url}/login", content=chunked(256 << 10),
-                           headers={"Content-Type": "application/x-www-form-urlencoded"})
+        login = httpx.post(
+            f"{url}/login", content=chunked(256 << 10), headers={"Content-Type": "application/x-www-form-urlencoded"}
+        )
         assert login.status_code == 413
-        edit = httpx.patch(f"{url}/api/runs/{run_id}", content=chunked(256 << 10),
-                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+        edit = httpx.patch(
+            f"{url}/api/runs/{run_id}",
+            content=chunked(256 << 10),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        )
         assert edit.status_code == 413 and "at most 16384" in edit.json()["error"]
-        deep = httpx.patch(f"{url}/api/runs/{run_id}", content=b"[" * 5000 + b"]" * 5000,
-                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+        deep = httpx.patch(
+            f"{url}/api/runs/{run_id}",
+            content=b"[" * 5000 + b"]" * 5000,
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        )
         assert deep.status_code == 400 and "not JSON" in deep.json()["error"]
         assert httpx.get(f"{url}/health").status_code == 200
 
@@ -186,8 +205,10 @@ def test_a_body_shorter_than_its_content_length_is_408_and_the_connection_closed
         port = int(url.rsplit(":", 1)[1])
         started = time.monotonic()
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(f"POST /login HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
-                         f"application/x-www-form-urlencoded\r\nContent-Length: 500\r\n\r\ntoken=abc".encode())
+            sock.sendall(
+                f"POST /login HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                f"application/x-www-form-urlencoded\r\nContent-Length: 500\r\n\r\ntoken=abc".encode()
+            )
             reply = b""
             try:
                 while chunk := sock.recv(65536):
@@ -209,9 +230,16 @@ def test_a_rebound_page_in_a_real_browser_reads_nothing(store, tmp_path):
     try:
         with running(create_app(store)) as url, sync_api.sync_playwright() as playwright:
             port = url.rsplit(":", 1)[1]
-            browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                "--host-resolver-rules=MAP attacker.example 127.0.0.1"])
+            browser = playwright.chromium.launch(
+                executable_path="/usr/bin/chromium",
+                args=[
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--no-first-run",
+                    "--disable-background-networking",
+                    "--host-resolver-rules=MAP attacker.example 127.0.0.1",
+                ],
+            )
             page = browser.new_page()
             rebound = page.goto(f"http://attacker.example:{port}/api/runs")
             assert rebound.status == 403 and "leaky" not in page.content()
@@ -227,9 +255,13 @@ def test_a_rebound_page_in_a_real_browser_reads_nothing(store, tmp_path):
             }}""")
             browser.close()
             assert result["read"] == "blocked"
-            refused = [s for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-                       if f.name == "phalanx_dashboard_requests" for s in f.samples
-                       if s.name.endswith("_total") and s.labels["status"] == "403"]
+            refused = [
+                s
+                for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+                if f.name == "phalanx_dashboard_requests"
+                for s in f.samples
+                if s.name.endswith("_total") and s.labels["status"] == "403"
+            ]
             assert sum(s.value for s in refused) >= 3  # the rebound page, the fetch, the blind POST
     finally:
         attacker.shutdown()
@@ -250,6 +282,7 @@ class AttackerPage(BaseHTTPRequestHandler):
 
 # ---- 7. sessions, logout, rate limits ------------------------------------------------------------------
 
+
 def test_logout_ends_the_session_even_for_a_copied_cookie(store):
     with running(create_app(store, token=TOKEN)) as url:
         with httpx.Client(base_url=url) as browser:
@@ -263,8 +296,10 @@ def test_logout_ends_the_session_even_for_a_copied_cookie(store):
             assert COOKIE not in browser.cookies  # the browser is told to drop it
         stolen = httpx.get(f"{url}/api/runs", cookies={COOKIE: copied})
         assert stolen.status_code == 401
-        assert 'Max-Age=0' in stolen.headers.get("set-cookie", "") or "expires" in stolen.headers.get(
-            "set-cookie", "").lower()  # a stale cookie is cleared
+        assert (
+            "Max-Age=0" in stolen.headers.get("set-cookie", "")
+            or "expires" in stolen.headers.get("set-cookie", "").lower()
+        )  # a stale cookie is cleared
         with httpx.Client(base_url=url) as again:  # a new login opens a new session
             again.post("/login", data={"token": TOKEN, "next": "/"})
             assert again.cookies[COOKIE] != copied and again.get("/api/runs").status_code == 200
@@ -282,8 +317,10 @@ def test_wrong_tokens_are_rate_limited(store):
     with running(create_app(store, token=TOKEN)) as url:
         wrong = {"Authorization": "Bearer wrong-token-wrong-token"}
         # A new X-Forwarded-For on every try is still the same client (no proxy is trusted by default).
-        assert [httpx.get(f"{url}/api/runs", headers={**wrong, "X-Forwarded-For": f"198.51.100.{i}"}).status_code
-                for i in range(10)] == [401] * 10
+        assert [
+            httpx.get(f"{url}/api/runs", headers={**wrong, "X-Forwarded-For": f"198.51.100.{i}"}).status_code
+            for i in range(10)
+        ] == [401] * 10
         limited = httpx.get(f"{url}/api/runs", headers={**wrong, "X-Forwarded-For": "198.51.100.99"})
         assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
         assert httpx.get(f"{url}/api/runs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 429
@@ -307,12 +344,17 @@ def test_dashboard_and_serve_take_the_same_minimum(root):
 
 # ---- 8. metrics ----------------------------------------------------------------------------------------
 
+
 def test_the_method_label_is_bounded_and_there_are_no_created_series(url):
     for method in ("FOOBAR", "PROPFIND", "X" * 40):
         httpx.request(method, f"{url}/api/runs")
     text = httpx.get(f"{url}/metrics").text
-    methods = {s.labels["method"] for f in text_string_to_metric_families(text)
-               if f.name == "phalanx_dashboard_requests" for s in f.samples}
+    methods = {
+        s.labels["method"]
+        for f in text_string_to_metric_families(text)
+        if f.name == "phalanx_dashboard_requests"
+        for s in f.samples
+    }
     assert "other" in methods and methods <= {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "other"}
     assert "_created" not in text
     # Each run's throughput: a counter of its tokens, not its last tokens-per-second.
@@ -322,14 +364,25 @@ def test_the_method_label_is_bounded_and_there_are_no_created_series(url):
 
 def test_ecc_errors_are_a_counter_and_training_throughput_is_a_token_counter():
     registry = CollectorRegistry()
-    registry.register(TelemetryCollector(lambda: {"node": "n", "host": {}, "devices": [
-        {"device": 0, "ecc_uncorrectable": 3, "temperature_c": 50}]}))
-    registry.register(TrainingCollector(lambda: {"run": "r", "last": {"step": 5, "tokens_seen": 1280,
-                                                                      "tokens_per_sec": 99.0}, "ranks": {}, "counts": {}}))
+    registry.register(
+        TelemetryCollector(
+            lambda: {"node": "n", "host": {}, "devices": [{"device": 0, "ecc_uncorrectable": 3, "temperature_c": 50}]}
+        )
+    )
+    registry.register(
+        TrainingCollector(
+            lambda: {
+                "run": "r",
+                "last": {"step": 5, "tokens_seen": 1280, "tokens_per_sec": 99.0},
+                "ranks": {},
+                "counts": {},
+            }
+        )
+    )
     text = generate_latest(registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert families["phalanx_device_ecc_uncorrectable_errors"].type == "counter"
-    assert "phalanx_device_ecc_uncorrectable_errors_total{device=\"0\",node=\"n\"} 3.0" in text
+    assert 'phalanx_device_ecc_uncorrectable_errors_total{device="0",node="n"} 3.0' in text
     assert families["phalanx_device_temperature_celsius"].type == "gauge"
     assert families["phalanx_train_tokens"].type == "counter"
     assert 'phalanx_train_tokens_total{run="r"} 1280.0' in text

@@ -14,8 +14,12 @@ DASHBOARD = Path(__file__).parents[2] / "grafana" / "phalanx-training.json"
 def test_every_grafana_query_names_an_exposed_metric():
     exposed = {name for name, _, _ in TRAIN_GAUGES + RUN_GAUGES}
     exposed |= {f"{name}_total" for name, _, _ in EVENT_COUNTERS + TRAIN_COUNTERS + DEVICE_COUNTERS + RUN_COUNTERS}
-    exposed |= {"phalanx_rank_step_seconds", "phalanx_rank_compute_seconds", "phalanx_run_status",
-                "phalanx_run_restarts_total"}
+    exposed |= {
+        "phalanx_rank_step_seconds",
+        "phalanx_rank_compute_seconds",
+        "phalanx_run_status",
+        "phalanx_run_restarts_total",
+    }
     dashboard = json.loads(DASHBOARD.read_text())
     queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert len(queries) >= 10

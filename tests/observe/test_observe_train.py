@@ -28,13 +28,24 @@ def observed(corpus, runs_root):
     from tests.conftest import TINY
 
     root = runs_root / "observed"
-    args = TINY + [f"data.sources=[{corpus}]", f"run.dir={root}", "run.name=watched",
-                   "safe.inject=[{fault: kill, rank: 1, step: 6}]", "observe.metrics_port=0",
-                   "observe.tensorboard=true", "observe.sync_interval_s=0.2", "observe.telemetry_interval_s=0.5",
-                   "observe.alert_disk_free_gib=1000000"]  # more free disk than any machine has: an alert
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "train", *args, "--nproc", "2", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    args = TINY + [
+        f"data.sources=[{corpus}]",
+        f"run.dir={root}",
+        "run.name=watched",
+        "safe.inject=[{fault: kill, rank: 1, step: 6}]",
+        "observe.metrics_port=0",
+        "observe.tensorboard=true",
+        "observe.sync_interval_s=0.2",
+        "observe.telemetry_interval_s=0.5",
+        "observe.alert_disk_free_gib=1000000",
+    ]  # more free disk than any machine has: an alert
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "train", *args, "--nproc", "2", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     scraped, port_file = None, root / "watched" / "metrics_port"
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
@@ -53,8 +64,12 @@ def observed(corpus, runs_root):
         time.sleep(0.2)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
-    return {"root": root, "run_dir": root / "watched", "summary": json.loads(out.strip().splitlines()[-1]),
-            "metrics": scraped}
+    return {
+        "root": root,
+        "run_dir": root / "watched",
+        "summary": json.loads(out.strip().splitlines()[-1]),
+        "metrics": scraped,
+    }
 
 
 @pytest.mark.slow

@@ -8,11 +8,11 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, StoreError
 from phalanx.observe import tables
 from phalanx.observe.follower import RunFollower
-from phalanx.errors import StoreError
-from phalanx.observe.store import RunStore, store_url as make_store_url
+from phalanx.observe.store import RunStore
+from phalanx.observe.store import store_url as make_store_url
 
 
 def test_migrated_schema_matches_the_table_definitions(store_url):
@@ -34,12 +34,20 @@ def test_a_run_from_start_to_finish(store_url, tmp_path):
     store.add_node(run_id, "node-b")
     store.add_node(run_id, "node-a")  # again: still listed once
     now = time.time()
-    store.ingest(run_id, [{"step": 0, "val_loss": 6.0, "time": now},
-                          {"step": 1, "loss": 5.0, "lr": 0.1, "tokens_per_sec": 100.0, "mfu": 0.3, "time": now},
-                          {"step": 2, "loss": float("nan"), "time": now + 1, "skipped": "nan"}],
-                 [{"step": 1, "rank": r, "compute_seconds": 0.1 * (r + 1), "time": now} for r in range(2)],
-                 [{"kind": "worker_failed", "time": now + 2, "node": "node-a", "rank": 1, "exitcode": -9},
-                  {"kind": "restart", "time": now + 2.1, "node": "node-a", "rank": None, "attempt": 1}], {})
+    store.ingest(
+        run_id,
+        [
+            {"step": 0, "val_loss": 6.0, "time": now},
+            {"step": 1, "loss": 5.0, "lr": 0.1, "tokens_per_sec": 100.0, "mfu": 0.3, "time": now},
+            {"step": 2, "loss": float("nan"), "time": now + 1, "skipped": "nan"},
+        ],
+        [{"step": 1, "rank": r, "compute_seconds": 0.1 * (r + 1), "time": now} for r in range(2)],
+        [
+            {"kind": "worker_failed", "time": now + 2, "node": "node-a", "rank": 1, "exitcode": -9},
+            {"kind": "restart", "time": now + 2.1, "node": "node-a", "rank": None, "attempt": 1},
+        ],
+        {},
+    )
     run = store.find_run("r1")
     assert run["status"] == "restarting" and run["restarts"] == 1 and run["nodes"] == ["node-a", "node-b"]
     assert run["last_step"] == 2 and run["last_loss"] is None  # NaN is stored as null
@@ -63,8 +71,11 @@ def test_long_runs_are_downsampled_short_ones_are_not(store_url, tmp_path):
     store = RunStore(store_url)
     run_id = store.start_run("long", tmp_path / "long", {}, "tiny", 4, 5000, "n")
     metrics = [{"step": s, "loss": 10.0 / s, "time": float(s)} for s in range(1, 5001)]
-    ranks = [{"step": s, "rank": r, "compute_seconds": 0.5 if r == 3 else 0.1, "time": float(s)}
-             for s in range(1, 5001) for r in range(4)]
+    ranks = [
+        {"step": s, "rank": r, "compute_seconds": 0.5 if r == 3 else 0.1, "time": float(s)}
+        for s in range(1, 5001)
+        for r in range(4)
+    ]
     store.ingest(run_id, metrics, ranks, [], {})
     series = store.series(run_id, max_points=100)
     assert len(series["step"]) == 100 and series["step"][-1] == 5000
@@ -90,8 +101,9 @@ def test_the_follower_copies_each_line_exactly_once_across_launches(store_url, t
 
     append("metrics.jsonl", {"step": 1, "loss": 3.0, "time": 1.0})
     append("ranks/rank_0.jsonl", {"step": 1, "rank": 0, "compute_seconds": 0.1, "time": 1.0})
-    append("events.jsonl", {"kind": "training_started", "time": 1.0, "rank": 0},
-           partial='{"kind": "checkpoint_sa')  # a line still being written
+    append(
+        "events.jsonl", {"kind": "training_started", "time": 1.0, "rank": 0}, partial='{"kind": "checkpoint_sa'
+    )  # a line still being written
     follower = RunFollower(run_dir, "run", 0.0, store, run_id)
     follower.sync()
     follower.sync()  # nothing new: nothing doubled
@@ -185,8 +197,12 @@ def test_a_store_at_an_older_schema_version_is_migrated_with_its_runs_kept(store
     with engine.begin() as conn:  # a store as the first release of phalanx left it
         config.attributes["connection"] = conn
         command.upgrade(config, "0001")
-        conn.execute(sa.text("INSERT INTO runs (name, dir, status, started_at, updated_at, restarts) "
-                             "VALUES ('old', '/runs/old', 'finished', 1.0, 1.0, 0)"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO runs (name, dir, status, started_at, updated_at, restarts) "
+                "VALUES ('old', '/runs/old', 'finished', 1.0, 1.0, 0)"
+            )
+        )
     engine.dispose()
     store = RunStore(store_url)
     assert store.schema_version() == "0003"

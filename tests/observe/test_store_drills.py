@@ -26,14 +26,26 @@ pytestmark = pytest.mark.slow
 
 def drill_args(corpus: Path, root: Path, name: str, steps: int) -> list[str]:
     tiny = [a for a in TINY if not a.startswith(("train.max_steps=", "checkpoint.interval="))]
-    return tiny + [f"data.sources=[{corpus}]", f"run.dir={root}", f"run.name={name}", f"train.max_steps={steps}",
-                   "checkpoint.interval=10", "observe.sync_interval_s=0.2", "observe.telemetry_interval_s=0",
-                   "safe.inject=[{fault: slow, rank: 0, step: 1, ms: 100}]"]  # a run long enough to act in
+    return tiny + [
+        f"data.sources=[{corpus}]",
+        f"run.dir={root}",
+        f"run.name={name}",
+        f"train.max_steps={steps}",
+        "checkpoint.interval=10",
+        "observe.sync_interval_s=0.2",
+        "observe.telemetry_interval_s=0",
+        "safe.inject=[{fault: slow, rank: 0, step: 1, ms: 100}]",
+    ]  # a run long enough to act in
 
 
 def start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "phalanx", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 300) -> None:
@@ -52,8 +64,9 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
 
 def step_rows(store: RunStore, run_id: int) -> list[int]:
     with store.engine.connect() as conn:
-        return list(conn.execute(sa.select(t.steps.c.step).where(t.steps.c.run_id == run_id)
-                                 .order_by(t.steps.c.step)).scalars())
+        return list(
+            conn.execute(sa.select(t.steps.c.step).where(t.steps.c.run_id == run_id).order_by(t.steps.c.step)).scalars()
+        )
 
 
 def chattr(flag: str, path: Path) -> bool:

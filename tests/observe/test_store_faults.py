@@ -34,10 +34,14 @@ def make_run_dir(root: Path, name: str = "run") -> Path:
 
 def append_steps(run_dir: Path, steps: range) -> None:
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.writelines(json.dumps({"step": s, "loss": 5.0 - s / 100, "step_seconds": 0.1, "time": 1000.0 + s}) + "\n" for s in steps)
+        f.writelines(
+            json.dumps({"step": s, "loss": 5.0 - s / 100, "step_seconds": 0.1, "time": 1000.0 + s}) + "\n"
+            for s in steps
+        )
     with open(run_dir / "ranks" / "rank_0.jsonl", "a") as f:
-        f.writelines(json.dumps({"step": s, "rank": 0, "compute_seconds": 0.1, "time": 1000.0 + s}) + "\n"
-                     for s in steps)
+        f.writelines(
+            json.dumps({"step": s, "rank": 0, "compute_seconds": 0.1, "time": 1000.0 + s}) + "\n" for s in steps
+        )
 
 
 def append_event(run_dir: Path, kind: str, **details) -> None:
@@ -48,14 +52,16 @@ def append_event(run_dir: Path, kind: str, **details) -> None:
 def stored_steps(store: RunStore, run_id: int) -> list[int]:
     """Every step row of the run, in step order: a step stored twice shows twice."""
     with store.engine.connect() as conn:
-        return list(conn.execute(sa.select(t.steps.c.step).where(t.steps.c.run_id == run_id)
-                                 .order_by(t.steps.c.step)).scalars())
+        return list(
+            conn.execute(sa.select(t.steps.c.step).where(t.steps.c.run_id == run_id).order_by(t.steps.c.step)).scalars()
+        )
 
 
 def connector(url: str, run_dir: Path):
     def connect():
         store = RunStore(url)
         return store, store.start_run(run_dir.name, run_dir, {}, "tiny", 1, 10, "node-a")
+
     return connect
 
 
@@ -104,9 +110,14 @@ def test_the_refill_of_a_rebuilt_store_is_retried_until_done_even_by_the_next_wr
     append_event(run_dir, "store_rebuilt", path=str(db))
     assert refill_unfinished(run_dir)
     again = []
-    successor = RunFollower(run_dir, "run", 0.0, connect=connector(f"sqlite:///{db}", run_dir),
-                            on_rebuilt=lambda store: again.append(store) or True,
-                            refill_pending=refill_unfinished(run_dir))
+    successor = RunFollower(
+        run_dir,
+        "run",
+        0.0,
+        connect=connector(f"sqlite:///{db}", run_dir),
+        on_rebuilt=lambda store: again.append(store) or True,
+        refill_pending=refill_unfinished(run_dir),
+    )
     assert successor.sync() and len(again) == 1 and not refill_unfinished(run_dir)
 
 
@@ -163,8 +174,15 @@ def test_the_writer_process_outlives_its_own_death_and_stores_the_end(tmp_path):
     root = tmp_path / "runs"
     run_dir = make_run_dir(root)
     url = f"sqlite:///{root / 'phalanx.db'}"
-    spec = {"url": url, "run_dir": str(run_dir), "name": "run", "wall_start": 0.0, "interval": 0.2, "retry_s": 5,
-            "register": {"config": {}, "model": "tiny", "world_size": 1, "max_steps": 10, "node": "node-a"}}
+    spec = {
+        "url": url,
+        "run_dir": str(run_dir),
+        "name": "run",
+        "wall_start": 0.0,
+        "interval": 0.2,
+        "retry_s": 5,
+        "register": {"config": {}, "model": "tiny", "world_size": 1, "max_steps": 10, "node": "node-a"},
+    }
     writer = StoreWriter(spec)
     append_steps(run_dir, range(1, 4))
     wait_for_steps(url, run_dir, 3)

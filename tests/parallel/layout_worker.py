@@ -25,11 +25,22 @@ def main(parallel: str, out: str) -> None:
     if world > 1:
         dist.init_process_group("gloo")
     layout = resolve_layout(ParallelSection(**json.loads(parallel)), world)
-    model = build_parallel_model(ARGS, layout, build_mesh(layout, "cpu"), torch.device("cpu"), seed=1337,
-                                 activation_checkpointing=True, compile=False, dtype=torch.float32)
-    full = {name.replace("module.", "").replace("_checkpoint_wrapped_module.", ""):
-            (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
-            for name, p in model.named_parameters()}
+    model = build_parallel_model(
+        ARGS,
+        layout,
+        build_mesh(layout, "cpu"),
+        torch.device("cpu"),
+        seed=1337,
+        activation_checkpointing=True,
+        compile=False,
+        dtype=torch.float32,
+    )
+    full = {
+        name.replace("module.", "").replace("_checkpoint_wrapped_module.", ""): (
+            p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        ).clone()
+        for name, p in model.named_parameters()
+    }
     torch.save(full, f"{out}.{os.environ.get('RANK', '0')}")
     if world > 1:
         dist.destroy_process_group()

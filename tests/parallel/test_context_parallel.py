@@ -52,14 +52,18 @@ def _ring_worker(rank: int, world: int, port: int) -> None:
         out.backward(split.shard(grad_out.transpose(1, 2)).transpose(1, 2))
 
         expected_out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        torch.testing.assert_close(out, split.shard(expected_out.transpose(1, 2)).transpose(1, 2),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, split.shard(expected_out.transpose(1, 2)).transpose(1, 2), rtol=1e-5, atol=1e-5)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # the ring keeps its softmax in float32 anyway
             torch.testing.assert_close(split.attend(*mine), out, rtol=1e-6, atol=1e-6)
         for name, local, reference in zip("qkv", mine, full):
             # A key's gradient gathers every rank's queries that saw it: it came back round the ring.
-            torch.testing.assert_close(local.grad, split.shard(reference.grad.transpose(1, 2)).transpose(1, 2),
-                                       rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"d{name} on rank {rank}: {m}")
+            torch.testing.assert_close(
+                local.grad,
+                split.shard(reference.grad.transpose(1, 2)).transpose(1, 2),
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m, name=name: f"d{name} on rank {rank}: {m}",
+            )
     finally:
         dist.destroy_process_group()
 
@@ -91,7 +95,16 @@ def test_cp2_losses_match_one_process(corpus, tmp_path):
 def test_cp_refuses_a_sequence_it_cannot_split(corpus, tmp_path):
     from tests.conftest import TINY
 
-    proc = phalanx("train", *TINY, f"data.sources=[{corpus}]", f"run.dir={tmp_path}", "train.seq_len=30",
-                   "parallel.cp=2", "--nproc", "2", check=False)
+    proc = phalanx(
+        "train",
+        *TINY,
+        f"data.sources=[{corpus}]",
+        f"run.dir={tmp_path}",
+        "train.seq_len=30",
+        "parallel.cp=2",
+        "--nproc",
+        "2",
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "train.seq_len=30 must be divisible by 2 x parallel.cp = 4" in proc.stderr

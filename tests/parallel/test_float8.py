@@ -15,7 +15,8 @@ def test_float8_on_cpu_is_one_line_and_writes_nothing(tiny_args, runs_root):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: train.dtype=float8 needs a GPU with fp8 matrix cores (MI300X/MI325X/MI355X or H100/H200/B200-class "
-        "GPUs); this runs on cpu: use bfloat16 or auto"]
+        "GPUs); this runs on cpu: use bfloat16 or auto"
+    ]
     name = next(a.split("=", 1)[1] for a in tiny_args if a.startswith("run.name="))
     assert not (runs_root / name).exists()
 

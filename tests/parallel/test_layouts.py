@@ -19,27 +19,33 @@ from tests.helpers import losses_by_step, train_json
 WORKER = Path(__file__).with_name("layout_worker.py")
 
 
-@pytest.mark.parametrize("given, world, expected", [
-    ({}, 1, Layout(1, 1, 1)),
-    ({"strategy": "ddp"}, 4, Layout(4, 1, 1)),
-    ({"strategy": "fsdp"}, 4, Layout(1, 4, 1)),
-    ({"tp": 2}, 4, Layout(2, 1, 2)),
-    ({"tp": 2, "strategy": "fsdp"}, 8, Layout(1, 4, 2)),
-    ({"dp_replicate": 2, "dp_shard": -1}, 8, Layout(2, 4, 1)),
-    ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 8, Layout(2, 2, 2)),
-    ({"pp": 2, "strategy": "fsdp"}, 4, Layout(1, 2, 1, pp=2)),
-    ({"pp": 2, "cp": 2, "tp": 2}, 16, Layout(2, 1, 2, pp=2, cp=2)),
-])
+@pytest.mark.parametrize(
+    "given, world, expected",
+    [
+        ({}, 1, Layout(1, 1, 1)),
+        ({"strategy": "ddp"}, 4, Layout(4, 1, 1)),
+        ({"strategy": "fsdp"}, 4, Layout(1, 4, 1)),
+        ({"tp": 2}, 4, Layout(2, 1, 2)),
+        ({"tp": 2, "strategy": "fsdp"}, 8, Layout(1, 4, 2)),
+        ({"dp_replicate": 2, "dp_shard": -1}, 8, Layout(2, 4, 1)),
+        ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 8, Layout(2, 2, 2)),
+        ({"pp": 2, "strategy": "fsdp"}, 4, Layout(1, 2, 1, pp=2)),
+        ({"pp": 2, "cp": 2, "tp": 2}, 16, Layout(2, 1, 2, pp=2, cp=2)),
+    ],
+)
 def test_layout_from_config(given, world, expected):
     assert resolve_layout(ParallelSection(**given), world) == expected
 
 
-@pytest.mark.parametrize("given, world, message", [
-    ({"tp": 3}, 4, r"parallel.pp=1 x cp=1 x tp=3 = 3 does not divide the world size 4"),
-    ({"pp": 2, "tp": 2}, 6, r"parallel.pp=2 x cp=1 x tp=2 = 4 does not divide the world size 6"),
-    ({"dp_replicate": 2, "dp_shard": 3}, 8, "does not multiply to the world size 8"),
-    ({"dp_shard": 3}, 4, "does not multiply to the world size 4"),
-])
+@pytest.mark.parametrize(
+    "given, world, message",
+    [
+        ({"tp": 3}, 4, r"parallel.pp=1 x cp=1 x tp=3 = 3 does not divide the world size 4"),
+        ({"pp": 2, "tp": 2}, 6, r"parallel.pp=2 x cp=1 x tp=2 = 4 does not divide the world size 6"),
+        ({"dp_replicate": 2, "dp_shard": 3}, 8, "does not multiply to the world size 8"),
+        ({"dp_shard": 3}, 4, "does not multiply to the world size 4"),
+    ],
+)
 def test_layouts_that_do_not_fit_are_named(given, world, message):
     with pytest.raises(PhalanxError, match=message):
         resolve_layout(ParallelSection(**given), world)
@@ -62,8 +68,14 @@ def build(tmp_path: Path, parallel: dict, nproc: int) -> dict[str, torch.Tensor]
 @pytest.mark.slow
 def test_every_layout_starts_from_the_same_weights(tmp_path):
     one = build(tmp_path, {}, 1)
-    for parallel, nproc in [({"strategy": "ddp"}, 2), ({"strategy": "fsdp"}, 2), ({"tp": 2}, 2), ({"pp": 2}, 2),
-                            ({"cp": 2}, 2), ({"tp": 2, "strategy": "fsdp"}, 4)]:
+    for parallel, nproc in [
+        ({"strategy": "ddp"}, 2),
+        ({"strategy": "fsdp"}, 2),
+        ({"tp": 2}, 2),
+        ({"pp": 2}, 2),
+        ({"cp": 2}, 2),
+        ({"tp": 2, "strategy": "fsdp"}, 4),
+    ]:
         other = build(tmp_path, parallel, nproc)
         assert other.keys() == one.keys()
         different = [k for k in one if not torch.equal(one[k], other[k])]
@@ -86,9 +98,11 @@ def one_process(corpus, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides, nproc", [(["parallel.tp=2"], 2),
-                                             (["parallel.tp=2", "parallel.strategy=fsdp"], 4)],
-                         ids=["tp2", "dp_shard2-tp2"])
+@pytest.mark.parametrize(
+    "overrides, nproc",
+    [(["parallel.tp=2"], 2), (["parallel.tp=2", "parallel.strategy=fsdp"], 4)],
+    ids=["tp2", "dp_shard2-tp2"],
+)
 def test_losses_match_one_process(one_process, overrides, nproc, request):
     args, baseline = one_process
     args = [a for a in args if a != "parallel.strategy=none"]

@@ -42,19 +42,25 @@ def test_interleaved_placement_loops_over_ranks():
     assert rank_stage_indices(3, 4, 1) == [3]
 
 
-@pytest.mark.parametrize("given, message", [
-    ({"pp": 2}, "tie_embeddings=true"),
-    ({"pp": 4, "pp_schedule": "interleaved_1f1b", "tied": False}, "8 pipeline stages need at least 6 layers"),
-    ({"pp": 2, "cp": 2, "tied": False}, "does not compose with parallel.cp"),
-    ({"pp": 2, "pp_microbatches": 3, "tied": False}, "pp_microbatches=3 does not divide the micro-batch of 4"),
-    ({"pp": 2, "pp_microbatches": 4, "pp_schedule": "interleaved_1f1b", "tied": False, "layers": 6}, None),
-    ({"pp": 4, "pp_microbatches": 2, "pp_schedule": "interleaved_1f1b", "tied": False, "layers": 6},
-     "multiple of parallel.pp"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"pp": 2}, "tie_embeddings=true"),
+        ({"pp": 4, "pp_schedule": "interleaved_1f1b", "tied": False}, "8 pipeline stages need at least 6 layers"),
+        ({"pp": 2, "cp": 2, "tied": False}, "does not compose with parallel.cp"),
+        ({"pp": 2, "pp_microbatches": 3, "tied": False}, "pp_microbatches=3 does not divide the micro-batch of 4"),
+        ({"pp": 2, "pp_microbatches": 4, "pp_schedule": "interleaved_1f1b", "tied": False, "layers": 6}, None),
+        (
+            {"pp": 4, "pp_microbatches": 2, "pp_schedule": "interleaved_1f1b", "tied": False, "layers": 6},
+            "multiple of parallel.pp",
+        ),
+    ],
+)
 def test_what_pipelining_refuses_is_one_line(given, message):
     given = dict(given)
-    args = ModelArgs(**{**ARGS.__dict__, "tie_embeddings": given.pop("tied", True),
-                        "n_layers": given.pop("layers", ARGS.n_layers)})
+    args = ModelArgs(
+        **{**ARGS.__dict__, "tie_embeddings": given.pop("tied", True), "n_layers": given.pop("layers", ARGS.n_layers)}
+    )
     if message is None:
         check_pipeline(args, ParallelSection(**given), micro_rows=4)
         return
@@ -81,10 +87,14 @@ def test_stages_chained_compute_the_whole_model_under_its_names(n_stages):
     assert {n for n, _ in rank0.named_parameters()} == {n for s in stages[0::2] for n, _ in s.named_parameters()}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ([], "set model.tie_embeddings=false"),
-    (["model.tie_embeddings=false", "parallel.pp_microbatches=3"], "pp_microbatches=3 does not divide"),
-], ids=["tied", "microbatches"])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([], "set model.tie_embeddings=false"),
+        (["model.tie_embeddings=false", "parallel.pp_microbatches=3"], "pp_microbatches=3 does not divide"),
+    ],
+    ids=["tied", "microbatches"],
+)
 def test_bad_pipelines_are_refused_before_any_rank_starts(tiny_args, overrides, message):
     proc = phalanx("train", *tiny_args, "parallel.pp=2", *overrides, "--nproc", "2", check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -94,6 +104,7 @@ def test_bad_pipelines_are_refused_before_any_rank_starts(tiny_args, overrides, 
 
 
 # -- through the launcher -----------------------------------------------------------------------------
+
 
 def relative_differences(a: dict[int, float], b: dict[int, float]) -> list[float]:
     assert a.keys() == b.keys() and len(a) == 10
@@ -125,8 +136,9 @@ def pp_straight(one_process):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b"])  # interleaved: four stages in all
 def test_losses_match_one_process(one_process, pp_straight, schedule):
     args, baseline = one_process
-    summary = pp_straight if schedule == "1f1b" else pipelined(args, f"pp2-{schedule}",
-                                                              f"parallel.pp_schedule={schedule}")
+    summary = (
+        pp_straight if schedule == "1f1b" else pipelined(args, f"pp2-{schedule}", f"parallel.pp_schedule={schedule}")
+    )
     assert abs(summary["val_loss_start"] - baseline["val_loss_start"]) < 1e-5  # the same initial weights
     assert abs(summary["val_loss_final"] - baseline["val_loss_final"]) / baseline["val_loss_final"] < 1e-4
     diffs = relative_differences(losses_by_step(Path(baseline["run_dir"])), losses_by_step(Path(summary["run_dir"])))
@@ -134,8 +146,7 @@ def test_losses_match_one_process(one_process, pp_straight, schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [["parallel.strategy=fsdp"], ["parallel.tp=2"]],
-                         ids=["pp2-dp_shard2", "pp2-tp2"])
+@pytest.mark.parametrize("overrides", [["parallel.strategy=fsdp"], ["parallel.tp=2"]], ids=["pp2-dp_shard2", "pp2-tp2"])
 def test_pipeline_composes_on_four_ranks(one_process, overrides, request):
     args, baseline = one_process
     summary = pipelined(args, request.node.callspec.id, *overrides, nproc=4)

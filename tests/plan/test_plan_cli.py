@@ -3,9 +3,9 @@
 import json
 
 import pytest
-from tests.helpers import phalanx
 
 from phalanx.plan.devices import device_names
+from tests.helpers import phalanx
 
 
 def plan_json(*args: str) -> dict:
@@ -13,8 +13,9 @@ def plan_json(*args: str) -> dict:
 
 
 def test_plan_json_for_one_device():
-    report = plan_json("8b", "--gpu", "mi300x", "--gpus", "8", "--seq-len", "4096", "--micro-batch", "2",
-                       "--strategy", "fsdp")
+    report = plan_json(
+        "8b", "--gpu", "mi300x", "--gpus", "8", "--seq-len", "4096", "--micro-batch", "2", "--strategy", "fsdp"
+    )
     assert (report["device"], report["devices"], report["strategy"]) == ("mi300x", 8, "fsdp")
     assert report["dtype"] == "bfloat16"
     assert (report["micro_batch"], report["seq_len"], report["params"]) == (2, 4096, 8030261248)
@@ -27,8 +28,9 @@ def test_plan_json_for_one_device():
 def test_flags_override_the_config():
     base = plan_json("demo", "--gpu", "cpu")
     assert (base["strategy"], base["micro_batch"], base["seq_len"], base["dtype"]) == ("ddp", 16, 256, "float32")
-    changed = plan_json("demo", "--gpu", "cpu", "--gpus", "2", "--strategy", "fsdp", "--micro-batch", "4",
-                        "--activation-checkpointing")
+    changed = plan_json(
+        "demo", "--gpu", "cpu", "--gpus", "2", "--strategy", "fsdp", "--micro-batch", "4", "--activation-checkpointing"
+    )
     assert (changed["strategy"], changed["micro_batch"], changed["accumulation"]) == ("fsdp", 4, 2)
     assert changed["activation_checkpointing"] is True
     assert changed["memory"]["peak_bytes"] < base["memory"]["peak_bytes"]
@@ -55,13 +57,16 @@ def fails(*args: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("args, words", [
-    (("8b", "--gpu", "mi301x"), ["mi300x", "h100", "h200", "cpu"]),
-    (("9b", "--gpu", "h100"), ["tiny", "125m", "70b", "demo"]),
-    (("8b",), ["--gpu", "--compare"]),
-    (("8b", "--gpu", "h100", "--strategy", "zero3"), ["ddp", "fsdp"]),
-    (("8b", "--gpu", "h100", "--mfu", "40"), ["--mfu"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("8b", "--gpu", "mi301x"), ["mi300x", "h100", "h200", "cpu"]),
+        (("9b", "--gpu", "h100"), ["tiny", "125m", "70b", "demo"]),
+        (("8b",), ["--gpu", "--compare"]),
+        (("8b", "--gpu", "h100", "--strategy", "zero3"), ["ddp", "fsdp"]),
+        (("8b", "--gpu", "h100", "--mfu", "40"), ["--mfu"]),
+    ],
+)
 def test_mistakes_are_one_line(args, words):
     line = fails(*args)
     assert all(word in line for word in words), line

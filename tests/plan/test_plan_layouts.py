@@ -13,12 +13,15 @@ from phalanx.plan.parallelism import Parallelism, communication
 from tests.helpers import phalanx
 
 
-@pytest.mark.parametrize("schedule, m, pp, bubble, in_flight", [
-    ("1f1b", 12, 4, 3 / 15, 4),
-    ("gpipe", 12, 4, 3 / 15, 12),
-    ("interleaved_1f1b", 12, 4, 1.5 / 13.5, (2 * 3 + 4 + 1) / 2),  # Megatron's warm-up, v = 2
-    ("1f1b", 3, 1, 0.0, 1),
-])
+@pytest.mark.parametrize(
+    "schedule, m, pp, bubble, in_flight",
+    [
+        ("1f1b", 12, 4, 3 / 15, 4),
+        ("gpipe", 12, 4, 3 / 15, 12),
+        ("interleaved_1f1b", 12, 4, 1.5 / 13.5, (2 * 3 + 4 + 1) / 2),  # Megatron's warm-up, v = 2
+        ("1f1b", 3, 1, 0.0, 1),
+    ],
+)
 def test_bubble_and_micro_batches_in_flight(schedule, m, pp, bubble, in_flight):
     par = Parallelism(pp=pp, microbatches=m, schedule=schedule)
     assert par.bubble_fraction() == pytest.approx(bubble)
@@ -69,7 +72,9 @@ def test_proposals_name_a_layout_that_fits(preset, gpu, gpus):
     assert chosen["fits"] and Parallelism(**chosen["layout"]).world_size == gpus
     assert chosen["layout"]["tp"] <= 8 and chosen["peak_gib"] <= chosen["usable_gib_per_rank"]
     fitting = [c for c in result["candidates"] if c["fits"]]
-    assert len(result["candidates"]) >= 10 and chosen["tokens_per_sec"] >= 0.98 * max(c["tokens_per_sec"] for c in fitting)
+    assert len(result["candidates"]) >= 10 and chosen["tokens_per_sec"] >= 0.98 * max(
+        c["tokens_per_sec"] for c in fitting
+    )
     assert "layouts considered" in result["reason"] and "tokens/s" in result["reason"]
     assert all(c.get("why_not") for c in result["candidates"] if c is not chosen)
     # one global batch under every layout: micro-batches x data-parallel replicas is the same
@@ -79,19 +84,39 @@ def test_proposals_name_a_layout_that_fits(preset, gpu, gpus):
 
 def test_bad_layouts_say_why():
     job = planner.resolve_job("70b", 64)
-    for kwargs, words in (({"tp": 3}, "does not divide --gpus"), ({"tp": 16, "pp": 1}, "n_kv_heads"),
-                          ({"tp": 8, "pp": 64, "dp_shard": None}, "does not divide")):
+    for kwargs, words in (
+        ({"tp": 3}, "does not divide --gpus"),
+        ({"tp": 16, "pp": 1}, "n_kv_heads"),
+        ({"tp": 8, "pp": 64, "dp_shard": None}, "does not divide"),
+    ):
         with pytest.raises(PhalanxError, match=words):
-            propose.given_layout(job, dp_replicate=None, dp_shard=kwargs.get("dp_shard"), tp=kwargs.get("tp"),
-                                 pp=kwargs.get("pp"))
+            propose.given_layout(
+                job, dp_replicate=None, dp_shard=kwargs.get("dp_shard"), tp=kwargs.get("tp"), pp=kwargs.get("pp")
+            )
 
 
 @pytest.mark.slow
 def test_cli_proposes_and_plans_a_given_layout():
     proposal = json.loads(phalanx("plan", "70b", "--gpu", "mi300x", "--gpus", "64", "--no-trace", "--json").stdout)
     assert proposal["chosen"]["fits"] and proposal["device"] == "mi300x"
-    given = json.loads(phalanx("plan", "70b", "--gpu", "mi300x", "--gpus", "64", "--tp", "8", "--pp", "2",
-                               "--pp-schedule", "interleaved_1f1b", "--no-trace", "--json").stdout)
+    given = json.loads(
+        phalanx(
+            "plan",
+            "70b",
+            "--gpu",
+            "mi300x",
+            "--gpus",
+            "64",
+            "--tp",
+            "8",
+            "--pp",
+            "2",
+            "--pp-schedule",
+            "interleaved_1f1b",
+            "--no-trace",
+            "--json",
+        ).stdout
+    )
     layout = given["chosen"]["layout"]
     assert (layout["tp"], layout["pp"], layout["dp_shard"], layout["schedule"]) == (8, 2, 4, "interleaved_1f1b")
     assert given["chosen"]["bubble_fraction"] == pytest.approx(0.5 / (16 + 0.5))
@@ -99,11 +124,14 @@ def test_cli_proposes_and_plans_a_given_layout():
     assert "layouts considered" in table and "why not" in table and "pp send/recv" in table
 
 
-@pytest.mark.parametrize("args, words", [
-    (("--tp", "3"), ["--tp 3", "--gpus 64"]),
-    (("--tp", "8", "--strategy", "fsdp"), ["--strategy"]),
-    (("--pp", "2", "--pp-schedule", "zigzag"), ["1f1b", "gpipe"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("--tp", "3"), ["--tp 3", "--gpus 64"]),
+        (("--tp", "8", "--strategy", "fsdp"), ["--strategy"]),
+        (("--pp", "2", "--pp-schedule", "zigzag"), ["1f1b", "gpipe"]),
+    ],
+)
 def test_layout_mistakes_are_one_line(args, words):
     proc = phalanx("plan", "70b", "--gpu", "mi300x", "--gpus", "64", "--no-trace", *args, check=False)
     lines = proc.stderr.strip().splitlines()
@@ -129,13 +157,17 @@ def test_context_parallelism_splits_each_sequence():
     assert two["memory"]["optimizer_states"] == one["memory"]["optimizer_states"]
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["parallel.tp=2"], {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}),  # ddp: replicas, as the trainer
-    (["parallel.tp=2", "parallel.strategy=fsdp"], {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["parallel.tp=2"], {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}),  # ddp: replicas, as the trainer
+        (["parallel.tp=2", "parallel.strategy=fsdp"], {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}),
+    ],
+)
 def test_a_run_configs_own_layout_is_planned(overrides, expected):
     """`phalanx plan CONFIG` with parallel.tp/pp set plans the layout the trainer would build."""
-    report = json.loads(phalanx("plan", "demo", *overrides, "--gpu", "mi300x", "--gpus", "4", "--no-trace",
-                                "--json").stdout)
+    report = json.loads(
+        phalanx("plan", "demo", *overrides, "--gpu", "mi300x", "--gpus", "4", "--no-trace", "--json").stdout
+    )
     chosen = report["chosen"]["layout"]
     assert {k: chosen[k] for k in expected} == expected

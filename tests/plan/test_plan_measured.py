@@ -17,9 +17,27 @@ TOLERANCE = 0.10
 
 
 def measured_peak(tmp_path, preset, strategy, micro_batch, seq_len, *extra: str) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "phalanx.plan.measure", "--preset", preset, "--strategy", strategy,
-           "--micro-batch", str(micro_batch), "--seq-len", str(seq_len), "--out", str(tmp_path), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "phalanx.plan.measure",
+        "--preset",
+        preset,
+        "--strategy",
+        strategy,
+        "--micro-batch",
+        str(micro_batch),
+        "--seq-len",
+        str(seq_len),
+        "--out",
+        str(tmp_path),
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -30,8 +48,9 @@ def measured_peak(tmp_path, preset, strategy, micro_batch, seq_len, *extra: str)
 def check(tmp_path, preset, strategy, micro_batch, seq_len, *, dtype="float32", accumulation=1, ac=False):
     extra = ["--dtype", dtype, "--accumulation", str(accumulation)] + (["--activation-checkpointing"] if ac else [])
     measured = measured_peak(tmp_path, preset, strategy, micro_batch, seq_len, *extra)
-    planned = estimate(Workload(MODEL_PRESETS[preset], strategy, 2, micro_batch, seq_len, accumulation, ac, dtype,
-                                device_kind="cpu")).peak_bytes
+    planned = estimate(
+        Workload(MODEL_PRESETS[preset], strategy, 2, micro_batch, seq_len, accumulation, ac, dtype, device_kind="cpu")
+    ).peak_bytes
     assert abs(planned - measured) / measured <= TOLERANCE, (planned, measured)
 
 
@@ -54,4 +73,3 @@ def test_bf16_checkpointed_fsdp_matches(tmp_path):
 
 def test_bf16_autocast_ddp_with_accumulation_matches(tmp_path):
     check(tmp_path, "tiny", "ddp", 2, 256, dtype="bfloat16", accumulation=2)
-

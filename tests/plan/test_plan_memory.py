@@ -29,8 +29,10 @@ def test_param_shapes_are_the_models(name):
     args = MODEL_PRESETS[name]
     with torch.device("meta"):
         model = Transformer(args)
-    real = {"root": [tuple(p.shape) for n, p in model.named_parameters() if not n.startswith("layers.")],
-            "block": [tuple(p.shape) for p in model.layers[0].parameters()]}
+    real = {
+        "root": [tuple(p.shape) for n, p in model.named_parameters() if not n.startswith("layers.")],
+        "block": [tuple(p.shape) for p in model.layers[0].parameters()],
+    }
     shapes = param_shapes(args)
     assert sorted(shapes["root"]) == sorted(real["root"]) and sorted(shapes["block"]) == sorted(real["block"])
     total = sum(math.prod(s) for s in shapes["root"]) + args.n_layers * sum(math.prod(s) for s in shapes["block"])

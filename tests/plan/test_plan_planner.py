@@ -98,21 +98,26 @@ def test_job_from_the_demo_config_and_overrides():
 
 def test_job_from_a_yaml_file(tmp_path):
     path = tmp_path / "big.yaml"
-    path.write_text("model:\n  preset: 1b\n  vocab_size: 32000\ndata:\n  vocab_size: 8000\ntrain:\n  seq_len: 1024\n"
-                    "  global_batch_size: 64\n  micro_batch_size: 4\n  dtype: float32\nparallel:\n  strategy: fsdp\n")
+    path.write_text(
+        "model:\n  preset: 1b\n  vocab_size: 32000\ndata:\n  vocab_size: 8000\ntrain:\n  seq_len: 1024\n"
+        "  global_batch_size: 64\n  micro_batch_size: 4\n  dtype: float32\nparallel:\n  strategy: fsdp\n"
+    )
     job = planner.resolve_job(str(path), 8)
     assert job.args == dataclasses.replace(MODEL_PRESETS["1b"], vocab_size=32000)
     assert (job.seq_len, job.micro_batch, job.accumulation, job.strategy) == (1024, 4, 2, "fsdp")
     assert job.workload(get_device("h100")).dtype == "float32"  # the config's dtype beats the device's
 
 
-@pytest.mark.parametrize("source, gpus, options, words", [
-    ("giant", 1, {}, "tiny, 125m, 1b, 8b, 70b"),
-    ("demo", 3, {}, "multiple of"),
-    ("8b", 2, {"strategy": "none"}, "strategy none"),
-    ("tiny", 1, {"seq_len": 512}, "max_seq_len"),
-    ("tiny", 0, {}, "--gpus"),
-])
+@pytest.mark.parametrize(
+    "source, gpus, options, words",
+    [
+        ("giant", 1, {}, "tiny, 125m, 1b, 8b, 70b"),
+        ("demo", 3, {}, "multiple of"),
+        ("8b", 2, {"strategy": "none"}, "strategy none"),
+        ("tiny", 1, {"seq_len": 512}, "max_seq_len"),
+        ("tiny", 0, {}, "--gpus"),
+    ],
+)
 def test_bad_jobs_say_why(source, gpus, options, words):
     with pytest.raises(PhalanxError) as err:
         planner.resolve_job(source, gpus, **options)

@@ -18,16 +18,21 @@ from phalanx.plan.traced import trace_step
 TOLERANCE = 0.10
 
 
-@pytest.mark.parametrize("dp_shard, tp, dtype, ac", [
-    (2, 1, "float32", False),  # FSDP
-    (2, 2, "bfloat16", True),  # FSDP x TP, FSDP2's bf16 mixed precision, checkpointed blocks
-])
+@pytest.mark.parametrize(
+    "dp_shard, tp, dtype, ac",
+    [
+        (2, 1, "float32", False),  # FSDP
+        (2, 2, "bfloat16", True),  # FSDP x TP, FSDP2's bf16 mixed precision, checkpointed blocks
+    ],
+)
 def test_traced_step_agrees_with_the_hand_model(dp_shard, tp, dtype, ac):
     args = MODEL_PRESETS["tiny"]
-    traced = trace_step(args, dp_shard=dp_shard, tp=tp, micro_batch=4, seq_len=256, dtype=dtype,
-                        activation_checkpointing=ac)
-    hand = estimate(Workload(args, "fsdp", dp_shard, 4, 256, dtype=dtype, device_kind="gpu", tp=tp,
-                             activation_checkpointing=ac))
+    traced = trace_step(
+        args, dp_shard=dp_shard, tp=tp, micro_batch=4, seq_len=256, dtype=dtype, activation_checkpointing=ac
+    )
+    hand = estimate(
+        Workload(args, "fsdp", dp_shard, 4, 256, dtype=dtype, device_kind="gpu", tp=tp, activation_checkpointing=ac)
+    )
     assert abs(hand.peak_bytes - traced.peak_bytes) / traced.peak_bytes <= TOLERANCE, (hand, traced)
     assert traced.activations > 0 and traced.at_peak["parameters"] > 0
 
@@ -37,9 +42,28 @@ def test_real_tensor_parallel_step_matches_both(tmp_path):
     """Two gloo ranks with tp=2 through torch's launcher (plan/measure.py: peak live tensor bytes from
     the allocator's events): the hand model and the traced step both land within 10%."""
     args = MODEL_PRESETS["tiny"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "phalanx.plan.measure", "--preset", "tiny", "--strategy", "fsdp", "--tp", "2", "--micro-batch", "4",
-           "--seq-len", "256", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "phalanx.plan.measure",
+        "--preset",
+        "tiny",
+        "--strategy",
+        "fsdp",
+        "--tp",
+        "2",
+        "--micro-batch",
+        "4",
+        "--seq-len",
+        "256",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -82,10 +106,34 @@ def test_real_fsdp_by_tp_step_matches_both(tmp_path):
     import dataclasses
 
     args = dataclasses.replace(MODEL_PRESETS["tiny"], dim=1024, ffn_dim=4096, n_heads=8)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-           "phalanx.plan.measure", "--preset", "tiny", "--strategy", "fsdp", "--tp", "2", "--micro-batch", "1",
-           "--seq-len", "16", "--model", "dim=1024", "--model", "ffn_dim=4096", "--model", "n_heads=8",
-           "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "phalanx.plan.measure",
+        "--preset",
+        "tiny",
+        "--strategy",
+        "fsdp",
+        "--tp",
+        "2",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "16",
+        "--model",
+        "dim=1024",
+        "--model",
+        "ffn_dim=4096",
+        "--model",
+        "n_heads=8",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     measured = max(json.loads((tmp_path / f"rank{r}.json").read_text())["peak_tensor_bytes"] for r in range(4))

@@ -1,4 +1,5 @@
 import pytest
+
 """`phalanx preflight` through the real launcher: gloo ranks on CPU, the run store, the slow-rank drill,
 and two node agents on this machine standing in for two nodes."""
 
@@ -8,10 +9,9 @@ import socket
 import subprocess
 import sys
 
-from tests.helpers import phalanx, free_port, wait_for_port
-
 from phalanx.observe.store import RunStore
 from phalanx.preflight.timing import SLOW_FACTOR_ENV, SLOW_RANK_ENV
+from tests.helpers import free_port, phalanx, wait_for_port
 
 NODE = socket.gethostname()
 
@@ -27,10 +27,19 @@ def test_two_ranks_pass_and_report_every_check(tmp_path):
     assert (report["world_size"], report["backend"], report["device_type"]) == (2, "gloo", "cpu")
     checks = {(c["check"], c["rank"]) for c in report["checks"]}
     for rank in (0, 1):
-        assert {("matmul_bf16_tflops", rank), ("matmul_fp32_tflops", rank), ("memory_bandwidth_gbps", rank),
-                ("compute_straggler_ratio", rank)} <= checks
-    assert {("inventory_match", None), ("disk_write_mbps", None), ("all_reduce_busbw_gbps", None),
-            ("all_gather_busbw_gbps", None), ("slow_rank_ratio", None)} <= checks
+        assert {
+            ("matmul_bf16_tflops", rank),
+            ("matmul_fp32_tflops", rank),
+            ("memory_bandwidth_gbps", rank),
+            ("compute_straggler_ratio", rank),
+        } <= checks
+    assert {
+        ("inventory_match", None),
+        ("disk_write_mbps", None),
+        ("all_reduce_busbw_gbps", None),
+        ("all_gather_busbw_gbps", None),
+        ("slow_rank_ratio", None),
+    } <= checks
     health = next(c for c in report["checks"] if c["check"] == "gpu_health")
     assert health["status"] == "skip" and "no GPU" in health["message"]
     for c in report["checks"]:
@@ -50,8 +59,17 @@ def test_two_ranks_pass_and_report_every_check(tmp_path):
 @pytest.mark.slow
 def test_an_injected_slow_rank_is_named_by_bisection(tmp_path):
     # 4 ranks: the bisection compares halves [0, 1] and [2, 3], then finds the late rank within the slow half
-    code, report, stderr = preflight_json(f"run.dir={tmp_path}", "observe.store=none", "--nproc", "4",
-                                          "--inject-slow-rank", "2", "--slow-factor", "8", check=False)
+    code, report, stderr = preflight_json(
+        f"run.dir={tmp_path}",
+        "observe.store=none",
+        "--nproc",
+        "4",
+        "--inject-slow-rank",
+        "2",
+        "--slow-factor",
+        "8",
+        check=False,
+    )
     assert code == 6, stderr
     assert report["slow_ranks"]["ranks"] == [2] and report["slow_ranks"]["nodes"] == [NODE]
     level = report["slow_ranks"]["levels"][0]
@@ -71,13 +89,32 @@ def test_two_nodes_name_the_slow_node_and_only_it_is_quarantined(tmp_path):
     RunStore.open(None, tmp_path).close()
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SLOW_RANK_ENV: "3", SLOW_FACTOR_ENV: "8"}
-    command = [sys.executable, "-m", "phalanx", "preflight", f"run.dir={tmp_path}", "--quick", "--json",
-               "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    nodes = [subprocess.Popen([*command, "--node-rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env)]
+    command = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "preflight",
+        f"run.dir={tmp_path}",
+        "--quick",
+        "--json",
+        "--nproc",
+        "2",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [*command, "--node-rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+    ]
     wait_for_port(port)  # node 0 hosts the rendezvous store, as on a real cluster
-    nodes.append(subprocess.Popen([*command, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env=env))
+    nodes.append(
+        subprocess.Popen(
+            [*command, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+    )
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert all(out.strip() for out, _ in outputs), [err[-3000:] for _, err in outputs]
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
@@ -103,8 +140,16 @@ def test_two_nodes_name_the_slow_node_and_only_it_is_quarantined(tmp_path):
 
 @pytest.mark.slow
 def test_a_failed_check_quarantines_the_node_until_cleared(tmp_path):
-    proc = phalanx("preflight", f"run.dir={tmp_path}", "--quick", "--nproc", "1",
-                   "--threshold", "matmul_fp32_tflops=1000", check=False)
+    proc = phalanx(
+        "preflight",
+        f"run.dir={tmp_path}",
+        "--quick",
+        "--nproc",
+        "1",
+        "--threshold",
+        "matmul_fp32_tflops=1000",
+        check=False,
+    )
     assert proc.returncode == 6, proc.stderr
     assert "error: preflight failed" in proc.stderr and "matmul_fp32_tflops on rank 0" in proc.stderr
     assert "below the failure limit 1,000" in proc.stderr and "Traceback" not in proc.stderr

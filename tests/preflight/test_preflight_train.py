@@ -3,9 +3,9 @@ launches until cleared, and a restart preflights the node again before its ranks
 
 from __future__ import annotations
 
-import pytest
-
 import socket
+
+import pytest
 
 from phalanx.observe.store import RunStore
 from phalanx.run.records import read_events
@@ -18,8 +18,9 @@ NODE = socket.gethostname()
 def test_a_node_failing_preflight_does_not_train_and_stays_out_until_cleared(tiny_args, tmp_path):
     args = [*tiny_args, f"run.dir={tmp_path}"]
     # No CPU reaches 10^6 TFLOP/s in fp32: the preflight fails this node before any rank trains.
-    failed = phalanx("train", *args, "safe.preflight=quick", "safe.preflight_thresholds={matmul_fp32_tflops: 1e6}",
-                     check=False)
+    failed = phalanx(
+        "train", *args, "safe.preflight=quick", "safe.preflight_thresholds={matmul_fp32_tflops: 1e6}", check=False
+    )
     assert failed.returncode == 6, failed.stderr
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("error: preflight failed, the job does not start:") and NODE in last
@@ -39,8 +40,9 @@ def test_a_node_failing_preflight_does_not_train_and_stays_out_until_cleared(tin
 
 @pytest.mark.slow
 def test_a_restart_preflights_the_node_again(tiny_args):
-    summary = train_json(*tiny_args, "safe.preflight=quick", "safe.inject=[{fault: kill, rank: 1, step: 6}]",
-                         "--nproc", "2")
+    summary = train_json(
+        *tiny_args, "safe.preflight=quick", "safe.inject=[{fault: kill, rank: 1, step: 6}]", "--nproc", "2"
+    )
     assert summary["steps"] == 12 and summary["restarts"] == 1
     kinds = [(e["kind"], e.get("before")) for e in read_events(summary["run_dir"])]
     start, restart = kinds.index(("preflight_passed", None)), kinds.index(("preflight_passed", "restart"))

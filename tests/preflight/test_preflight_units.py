@@ -60,8 +60,7 @@ def test_device_types_from_torch_names():
 
 def test_threshold_overrides():
     overrides = parse_overrides(["matmul_fp32_tflops=1000", "gpu_temperature_c.warn=70", "slow_rank_ratio=3"])
-    assert overrides == {"matmul_fp32_tflops.fail": 1000.0, "gpu_temperature_c.warn": 70.0,
-                         "slow_rank_ratio.fail": 3.0}
+    assert overrides == {"matmul_fp32_tflops.fail": 1000.0, "gpu_temperature_c.warn": 70.0, "slow_rank_ratio.fail": 3.0}
     cpu = limits_for("cpu", overrides)
     # a failure floor above the warning floor leaves no warning zone
     assert (cpu["matmul_fp32_tflops"].fail, cpu["matmul_fp32_tflops"].warn) == (1000.0, 1000.0)
@@ -73,12 +72,15 @@ def test_threshold_overrides():
     assert limits_for("cpu")["matmul_fp32_tflops"].fail == 0.001  # the table itself is untouched
 
 
-@pytest.mark.parametrize("item, message", [
-    ("matmul_fp32_tflop=3", "did you mean matmul_fp32_tflops"),
-    ("matmul_fp32_tflops", "NAME=VALUE"),
-    ("matmul_fp32_tflops=fast", "takes a number"),
-    ("matmul_fp32_tflops.low=3", "suffix may be .warn or .fail"),
-])
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("matmul_fp32_tflop=3", "did you mean matmul_fp32_tflops"),
+        ("matmul_fp32_tflops", "NAME=VALUE"),
+        ("matmul_fp32_tflops=fast", "takes a number"),
+        ("matmul_fp32_tflops.low=3", "suffix may be .warn or .fail"),
+    ],
+)
 def test_bad_threshold_overrides_say_what_is_wrong(item, message):
     with pytest.raises(PhalanxError, match=message):
         parse_overrides([item])
@@ -101,9 +103,19 @@ def test_slow_rank_drill_from_the_environment(monkeypatch):
 
 # -- inventory -----------------------------------------------------------------------------------------
 def inventory(**changes):
-    base = {"python": "3.11.9", "torch": "2.6.0+rocm6.2", "cuda": None, "hip": "6.2.41133", "nccl": "2.21.5",
-            "driver": "6.8.5", "accelerator": "8 x AMD Instinct MI300X", "arch": "gfx942", "phalanx": "0.1.0",
-            "cpu_model": "AMD EPYC 9654", "ram_gib": 2003.0}
+    base = {
+        "python": "3.11.9",
+        "torch": "2.6.0+rocm6.2",
+        "cuda": None,
+        "hip": "6.2.41133",
+        "nccl": "2.21.5",
+        "driver": "6.8.5",
+        "accelerator": "8 x AMD Instinct MI300X",
+        "arch": "gfx942",
+        "phalanx": "0.1.0",
+        "cpu_model": "AMD EPYC 9654",
+        "ram_gib": 2003.0,
+    }
     return {**base, **changes}
 
 
@@ -113,8 +125,9 @@ def test_equal_inventories_match_even_when_hardware_sizes_differ():
 
 def test_the_odd_node_out_is_named():
     mismatches = compare({"a": inventory(), "b": inventory(torch="2.5.1+rocm6.2"), "c": inventory()})
-    assert mismatches == [{"field": "torch", "values": {"a": "2.6.0+rocm6.2", "b": "2.5.1+rocm6.2",
-                                                        "c": "2.6.0+rocm6.2"}, "odd": ["b"]}]
+    assert mismatches == [
+        {"field": "torch", "values": {"a": "2.6.0+rocm6.2", "b": "2.5.1+rocm6.2", "c": "2.6.0+rocm6.2"}, "odd": ["b"]}
+    ]
 
 
 def test_two_nodes_that_differ_cannot_be_told_apart():
@@ -136,28 +149,71 @@ def raw_job(nodes=("n0", "n1"), ranks_per_node=2, suspects=(), disk=None, busbw=
     raw_nodes, ranks = {}, []
     for i, node in enumerate(nodes):
         own = list(range(i * ranks_per_node, (i + 1) * ranks_per_node))
-        inv = {"host": node, "runs_dir": "/runs", "disk_free_gib": 100.0, "accelerator": "none", "cpu_threads": 8,
-               "ram_gib": 32.0, **inventory(torch=(torch_versions or {}).get(node, "2.13.0"), hip=None, nccl=None,
-                                            driver=None, accelerator="none", arch=None)}
-        raw_nodes[node] = {"host": node, "node_rank": i, "launcher": f"l{i}", "ranks": own, "inventory": inv,
-                           "health": {"source": None, "note": "no GPU", "driver": None, "devices": []},
-                           "disk_write_mbps": (disk or {}).get(node, 500.0)}
-        ranks += [{"rank": r, "node": node, "local_rank": r - own[0], "device": "cpu", "device_name": "cpu",
-                   "matmul_bf16_tflops": 0.1, "matmul_fp32_tflops": 0.05, "memory_bandwidth_gbps": 10.0}
-                  for r in own]
+        inv = {
+            "host": node,
+            "runs_dir": "/runs",
+            "disk_free_gib": 100.0,
+            "accelerator": "none",
+            "cpu_threads": 8,
+            "ram_gib": 32.0,
+            **inventory(
+                torch=(torch_versions or {}).get(node, "2.13.0"),
+                hip=None,
+                nccl=None,
+                driver=None,
+                accelerator="none",
+                arch=None,
+            ),
+        }
+        raw_nodes[node] = {
+            "host": node,
+            "node_rank": i,
+            "launcher": f"l{i}",
+            "ranks": own,
+            "inventory": inv,
+            "health": {"source": None, "note": "no GPU", "driver": None, "devices": []},
+            "disk_write_mbps": (disk or {}).get(node, 500.0),
+        }
+        ranks += [
+            {
+                "rank": r,
+                "node": node,
+                "local_rank": r - own[0],
+                "device": "cpu",
+                "device_name": "cpu",
+                "matmul_bf16_tflops": 0.1,
+                "matmul_fp32_tflops": 0.05,
+                "memory_bandwidth_gbps": 10.0,
+            }
+            for r in own
+        ]
     world = len(ranks)
-    return {"world_size": world, "backend": "gloo", "gpu": False, "quick": True, "nodes": raw_nodes, "ranks": ranks,
-            "collectives": [{"op": "all_reduce", "bytes": 2**20, "seconds": 0.001, "algbw_gbps": busbw,
-                             "busbw_gbps": busbw}],
-            "bisection": {"suspects": list(suspects), "ratio": 5.0 if suspects else 1.0, "levels": [], "leaf": None},
-            "seconds": 1.0}
+    return {
+        "world_size": world,
+        "backend": "gloo",
+        "gpu": False,
+        "quick": True,
+        "nodes": raw_nodes,
+        "ranks": ranks,
+        "collectives": [
+            {"op": "all_reduce", "bytes": 2**20, "seconds": 0.001, "algbw_gbps": busbw, "busbw_gbps": busbw}
+        ],
+        "bisection": {"suspects": list(suspects), "ratio": 5.0 if suspects else 1.0, "levels": [], "leaf": None},
+        "seconds": 1.0,
+    }
 
 
 def test_a_healthy_job_passes():
     report = evaluate(raw_job())
     assert report.passed and report.failed_nodes == {} and report.cluster_failures == []
-    assert {c.check for c in report.checks} >= {"inventory_match", "disk_write_mbps", "matmul_fp32_tflops",
-                                               "compute_straggler_ratio", "all_reduce_busbw_gbps", "slow_rank_ratio"}
+    assert {c.check for c in report.checks} >= {
+        "inventory_match",
+        "disk_write_mbps",
+        "matmul_fp32_tflops",
+        "compute_straggler_ratio",
+        "all_reduce_busbw_gbps",
+        "slow_rank_ratio",
+    }
 
 
 def test_a_node_failing_its_own_check_is_blamed_alone():

@@ -32,8 +32,9 @@ def test_a_launch_refused_by_the_lock_never_removes_the_winners_run_directory(ti
     config = load_config(None, tiny_args)
     run = RunDir(config.run_dir)
     winner_saw_nothing = type(run.path).exists
-    monkeypatch.setattr(type(run.path), "exists",
-                        lambda p: False if p == run.path else winner_saw_nothing(p))  # the stale look
+    monkeypatch.setattr(
+        type(run.path), "exists", lambda p: False if p == run.path else winner_saw_nothing(p)
+    )  # the stale look
     with run_lock(run.path) as made:  # the winner: it created the directory and holds it
         assert made
         (run.path / "config.yaml").write_text("the winner's\n")

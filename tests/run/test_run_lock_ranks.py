@@ -18,7 +18,11 @@ from phalanx.run.lock import hold_shared, run_lock
 def orphaned_rank(run_dir) -> tuple[int, int]:
     """A launch that took the lock, started a rank holding its share, and was killed: returns the pids of
     the rank and of the launch."""
-    launch = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    launch = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import os, subprocess, sys, time
         from pathlib import Path
         from phalanx.run.lock import run_lock
@@ -29,7 +33,11 @@ def orphaned_rank(run_dir) -> tuple[int, int]:
                 {str(RunDir(run_dir).lock)!r}], stdout=sys.stdout)
             print(rank.pid, flush=True)
             time.sleep(600)
-    """)], stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     pid = int(launch.stdout.readline())
     assert launch.stdout.readline().strip() == "held"
     launch.kill()
@@ -61,9 +69,17 @@ def test_a_live_launch_is_refused_at_once_and_its_ranks_can_join_it(tmp_path):
     with run_lock(tmp_path / "run"):
         share = hold_shared(RunDir(tmp_path / "run").lock)  # what each rank of this launch takes
         t0 = time.monotonic()
-        probe = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
-                                "from phalanx.run.lock import run_lock; run_lock(Path(sys.argv[1])).__enter__()",
-                                str(tmp_path / "run")], capture_output=True, text=True)
+        probe = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from pathlib import Path; "
+                "from phalanx.run.lock import run_lock; run_lock(Path(sys.argv[1])).__enter__()",
+                str(tmp_path / "run"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert probe.returncode != 0 and "is in use by a running `phalanx train`" in probe.stderr
         assert time.monotonic() - t0 < 10  # no waiting: the owner is alive
     with pytest.raises(PhalanxError, match="is in use"):  # the launch is done, but a rank of it lives on

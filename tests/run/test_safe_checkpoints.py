@@ -43,8 +43,7 @@ def trained(tmp_path_factory, corpus):
     from tests.conftest import TINY
 
     root = tmp_path_factory.mktemp("safe-ckpt")
-    summary = train_json(*TINY, "train.max_steps=4", f"data.sources=[{corpus}]", f"run.dir={root}",
-                         "run.name=clean")
+    summary = train_json(*TINY, "train.max_steps=4", f"data.sources=[{corpus}]", f"run.dir={root}", "run.name=clean")
     return Path(summary["run_dir"])
 
 
@@ -75,12 +74,16 @@ def test_the_allow_list_reads_real_metadata_and_refuses_the_payload(trained, cra
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("command", [
-    ["generate", "{run}", "ROMEO:", "--max-new-tokens", "4"],
-    ["export", "{run}", "--format", "hf", "--out", "{out}"],
-    ["export", "{run}", "--format", "gguf", "--out", "{out}"],
-    ["serve", "{run}", "--port", "0"],
-], ids=["generate", "export-hf", "export-gguf", "serve"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "{run}", "ROMEO:", "--max-new-tokens", "4"],
+        ["export", "{run}", "--format", "hf", "--out", "{out}"],
+        ["export", "{run}", "--format", "gguf", "--out", "{out}"],
+        ["serve", "{run}", "--port", "0"],
+    ],
+    ids=["generate", "export-hf", "export-gguf", "serve"],
+)
 def test_loading_commands_refuse_a_crafted_checkpoint(crafted, tmp_path, command):
     run, marker = crafted
     out = tmp_path / "export"
@@ -95,8 +98,17 @@ def test_resume_refuses_a_crafted_checkpoint(crafted, corpus):
     from tests.conftest import TINY
 
     run, marker = crafted
-    proc = phalanx("train", *TINY, "train.max_steps=6", f"data.sources=[{corpus}]", f"run.dir={run.parent}",
-                   f"run.name={run.name}", "checkpoint.resume=auto", "--json", check=False)
+    proc = phalanx(
+        "train",
+        *TINY,
+        "train.max_steps=6",
+        f"data.sources=[{corpus}]",
+        f"run.dir={run.parent}",
+        f"run.name={run.name}",
+        "checkpoint.resume=auto",
+        "--json",
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "refusing to load" in proc.stderr and not marker.exists()
 

@@ -12,17 +12,32 @@ import time
 from pathlib import Path
 
 import psutil
+
 from tests.conftest import TINY
 from tests.helpers import ranks_of
 
 
 def test_deleting_the_run_directory_mid_run_stops_the_job_with_one_line(corpus, runs_root):
     run_dir = runs_root / "deleted-mid-run"
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "train", *TINY, f"data.sources=[{corpus}]",
-                             f"run.dir={runs_root}", "run.name=deleted-mid-run", "train.max_steps=5000",
-                             "train.eval_interval=5000", "checkpoint.interval=5000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "phalanx",
+            "train",
+            *TINY,
+            f"data.sources=[{corpus}]",
+            f"run.dir={runs_root}",
+            "run.name=deleted-mid-run",
+            "train.max_steps=5000",
+            "train.eval_interval=5000",
+            "checkpoint.interval=5000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and metrics.read_text().count('"loss"') >= 2):

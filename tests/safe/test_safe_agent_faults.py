@@ -14,16 +14,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from tests.conftest import TINY
-from tests.helpers import losses_by_step, ranks_of, read_metrics, train_json
 
 from phalanx.run.records import read_events
+from tests.conftest import TINY
+from tests.helpers import losses_by_step, ranks_of, read_metrics, train_json
 
 pytestmark = pytest.mark.slow  # five launches of two ranks each
 
 # 24 steps, interval saves at 8, 16 and 24; evaluation only at steps 0 and 24 (eval_interval past the end).
-DRILL = ["train.max_steps=24", "checkpoint.interval=8", "train.eval_interval=100", "checkpoint.keep=10",
-         "--nproc", "2"]
+DRILL = ["train.max_steps=24", "checkpoint.interval=8", "train.eval_interval=100", "checkpoint.keep=10", "--nproc", "2"]
 SHM = Path("/dev/shm")
 
 
@@ -40,9 +39,13 @@ def clean_losses(base):
 
 
 def start(base, name, *extra) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "phalanx", "train", *base, f"run.name={name}", *DRILL, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "train", *base, f"run.name={name}", *DRILL, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -89,7 +92,7 @@ def test_killed_agent_takes_its_ranks_down_and_a_relaunch_resumes_alone(base, cl
     assert summary["steps"] == 24
     assert not list(SHM.glob(f"phalanx-heartbeat-{proc.pid}-*"))  # removed by the next launch
     steps = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
-    first, second = steps[:len(steps_before)], steps[len(steps_before):]
+    first, second = steps[: len(steps_before)], steps[len(steps_before) :]
     resumed = next(e for e in read_events(run_dir) if e["kind"] == "checkpoint_loaded")["step"]
     assert first == list(range(1, len(first) + 1)) and resumed == 8
     assert second == list(range(resumed + 1, 25))  # one group trained each step after the resume, once
@@ -111,8 +114,11 @@ def test_sigterm_saves_at_the_step_it_stops_and_resumes_there_exactly(base, clea
     stopped = preempted["step"]
     assert preempted["saved"] and stopped >= 10
     assert f"SIGTERM: stopped after step {stopped}; checkpoint saved in " in err
-    assert err.strip().splitlines()[-1].startswith(f"error: stopped by SIGTERM; the same command resumes from "
-                                                   f"step {stopped}")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"error: stopped by SIGTERM; the same command resumes from step {stopped}")
+    )
     assert (run_dir / "checkpoints" / f"step_{stopped:08d}").is_dir()
     steps = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
     assert steps == list(range(1, stopped + 1))  # both ranks stopped after the same step, none trained on

@@ -8,14 +8,22 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.helpers import losses_by_step, phalanx, train_json
 
 from phalanx.run.records import read_events
+from tests.helpers import losses_by_step, phalanx, train_json
 
 # 60 steps of 2 ranks, a checkpoint every 10: the shape of the acceptance drill. Restarts resume
 # from disk here (no in-memory snapshots): these drills are about the checkpoints a restart falls back on.
-DRILL = ["train.max_steps=60", "train.eval_interval=30", "checkpoint.interval=10", "checkpoint.keep=10",
-         "checkpoint.memory_interval=0", "safe.hang_floor_s=2", "--nproc", "2"]
+DRILL = [
+    "train.max_steps=60",
+    "train.eval_interval=30",
+    "checkpoint.interval=10",
+    "checkpoint.keep=10",
+    "checkpoint.memory_interval=0",
+    "safe.hang_floor_s=2",
+    "--nproc",
+    "2",
+]
 
 
 def named(args, name):
@@ -47,8 +55,18 @@ def test_clean_run_has_no_faults(clean):
     _, summary, _ = clean
     assert summary["restarts"] == 0 and summary["faults"] == {} and summary["stragglers"] == []
     assert 0 < summary["ettr"] < 1
-    assert set(summary["goodput"]) == {"productive", "redone", "skipped", "eval", "checkpoint_save",
-                                       "checkpoint_load", "startup", "detection", "restart", "other"}
+    assert set(summary["goodput"]) == {
+        "productive",
+        "redone",
+        "skipped",
+        "eval",
+        "checkpoint_save",
+        "checkpoint_load",
+        "startup",
+        "detection",
+        "restart",
+        "other",
+    }
 
 
 def test_kill_rank_restarts_from_checkpoint(clean):
@@ -145,8 +163,9 @@ def test_failed_save_is_recorded_and_retried_next_interval(clean):
 
 @pytest.mark.slow
 def test_slow_rank_is_reported_as_straggler(clean):
-    summary, events = drill(clean, "drill-slow", [{"fault": "slow", "rank": 1, "step": 5, "ms": 150}],
-                            "safe.straggler_window=10")
+    summary, events = drill(
+        clean, "drill-slow", [{"fault": "slow", "rank": 1, "step": 5, "ms": 150}], "safe.straggler_window=10"
+    )
     assert [s["rank"] for s in summary["stragglers"]] == [1]
     assert summary["stragglers"][0]["score"] < 0.75 and summary["stragglers"][0]["node"]
     alerts = [e for e in events if e["kind"] == "straggler"]
@@ -158,8 +177,15 @@ def test_slow_rank_is_reported_as_straggler(clean):
 def test_crash_loop_stops_with_its_own_exit_code(clean):
     args, _, _ = clean
     faults = json.dumps([{"fault": "kill", "rank": 1, "step": 3, "repeat": True}])
-    proc = phalanx("train", *named(args, "drill-crash-loop"), *DRILL, f"safe.inject={faults}",
-                   "safe.crash_loop_restarts=2", "safe.max_restarts=5", check=False)
+    proc = phalanx(
+        "train",
+        *named(args, "drill-crash-loop"),
+        *DRILL,
+        f"safe.inject={faults}",
+        "safe.crash_loop_restarts=2",
+        "safe.max_restarts=5",
+        check=False,
+    )
     assert proc.returncode == 3
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: crash loop: 2 restarts in a row without checkpoint progress")
@@ -170,14 +196,16 @@ def test_crash_loop_stops_with_its_own_exit_code(clean):
 def test_restarts_exhausted_exit_code(clean):
     args, _, _ = clean
     faults = json.dumps([{"fault": "kill", "rank": 0, "step": 15, "repeat": True}])
-    proc = phalanx("train", *named(args, "drill-exhausted"), *DRILL, f"safe.inject={faults}",
-                   "safe.max_restarts=1", check=False)
+    proc = phalanx(
+        "train", *named(args, "drill-exhausted"), *DRILL, f"safe.inject={faults}", "safe.max_restarts=1", check=False
+    )
     assert proc.returncode == 4
     assert proc.stderr.strip().splitlines()[-1].startswith("error: the run failed again after 1 restarts")
 
 
 @pytest.mark.slow
 def test_restart_continues_from_this_launchs_checkpoint_even_with_resume_never(clean):
-    summary, events = drill(clean, "drill-kill-never", [{"fault": "kill", "rank": 0, "step": 14}],
-                            "checkpoint.resume=never")
+    summary, events = drill(
+        clean, "drill-kill-never", [{"fault": "kill", "rank": 0, "step": 14}], "checkpoint.resume=never"
+    )
     assert [e["step"] for e in events if e["kind"] == "checkpoint_loaded"] == [10]

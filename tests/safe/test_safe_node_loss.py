@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import TINY
-from tests.helpers import free_port, losses_by_step, wait_for_port
 
 from phalanx.run.records import read_events
+from tests.conftest import TINY
+from tests.helpers import free_port, losses_by_step, wait_for_port
 
 
 def children(pid: int) -> list[int]:
@@ -30,13 +30,33 @@ def children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_losing_a_node_continues_on_the_survivor(corpus, runs_root):
-    args = TINY + [f"data.sources=[{corpus}]", f"run.dir={runs_root}", "run.name=drill-node-loss",
-                   "train.max_steps=60", "train.eval_interval=30", "checkpoint.interval=10", "checkpoint.keep=10"]
+    args = TINY + [
+        f"data.sources=[{corpus}]",
+        f"run.dir={runs_root}",
+        "run.name=drill-node-loss",
+        "train.max_steps=60",
+        "train.eval_interval=30",
+        "checkpoint.interval=10",
+        "checkpoint.keep=10",
+    ]
     port = free_port()
-    node = [sys.executable, "-m", "phalanx", "train", *args, "--nnodes", "1:2", "--nproc", "1",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=5", "--json"]
-    survivor = subprocess.Popen([*node, "--node-rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    node = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "train",
+        *args,
+        "--nnodes",
+        "1:2",
+        "--nproc",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-conf",
+        "last_call_timeout=5",
+        "--json",
+    ]
+    survivor = subprocess.Popen([*node, "--node-rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Both nodes are on this machine and would race to host the rendezvous store; as on a real cluster,
     # the store lives with the survivor (node 0, whose address is the endpoint).
     wait_for_port(port)

@@ -25,18 +25,34 @@ from tests.conftest import TINY
 from tests.helpers import free_port, losses_by_step, train_json, wait_for_port
 from tests.safe.test_safe_node_loss import children
 
-STEPS = ["train.max_steps=60", "train.eval_interval=30", "checkpoint.interval=20", "checkpoint.keep=10",
-         "checkpoint.memory_interval=1"]
+STEPS = [
+    "train.max_steps=60",
+    "train.eval_interval=30",
+    "checkpoint.interval=20",
+    "checkpoint.keep=10",
+    "checkpoint.memory_interval=1",
+]
 
 
 @pytest.mark.slow
 def test_replacement_node_resumes_from_the_peer_copy_bit_identically(corpus, runs_root):
     args = TINY + [f"data.sources=[{corpus}]", f"run.dir={runs_root}", "run.name=drill-peer", *STEPS]
     port = free_port()
-    node = [sys.executable, "-m", "phalanx", "train", *args, "--nnodes", "2", "--nproc", "1",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--json"]
-    survivor = subprocess.Popen([*node, "--node-rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    node = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "train",
+        *args,
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--json",
+    ]
+    survivor = subprocess.Popen([*node, "--node-rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_port(port)  # the rendezvous store lives with node 0, as in test_safe_node_loss.py
     doomed = subprocess.Popen([*node, "--node-rank", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = runs_root / "drill-peer"
@@ -58,8 +74,9 @@ def test_replacement_node_resumes_from_the_peer_copy_bit_identically(corpus, run
     for path in lost:
         subprocess.run(["rm", "-rf", str(path)], check=True)
     t0 = time.monotonic()
-    replacement = subprocess.Popen([*node, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
+    replacement = subprocess.Popen(
+        [*node, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     out, err = survivor.communicate(timeout=300)
     r_out, r_err = replacement.communicate(timeout=60)
     assert survivor.returncode == 0, err[-3000:]
@@ -72,8 +89,10 @@ def test_replacement_node_resumes_from_the_peer_copy_bit_identically(corpus, run
     step = loaded[0]["step"]
     assert f"restored its snapshot of step {step} from the peer copy held by rank 0" in r_err + r_out
     assert f"resuming from the in-memory snapshot of step {step}" in err
-    print(f"killed after {killed_at} steps logged; resumed from the peer copy of step {step} (disk: 20); "
-          f"replacement start to end {time.monotonic() - t0:.1f} s; loaded in {loaded[0]['seconds']:.3f} s")
+    print(
+        f"killed after {killed_at} steps logged; resumed from the peer copy of step {step} (disk: 20); "
+        f"replacement start to end {time.monotonic() - t0:.1f} s; loaded in {loaded[0]['seconds']:.3f} s"
+    )
     clean = train_json(*[a.replace("drill-peer", "drill-peer-clean") for a in args], "--nproc", "2")
     assert losses_by_step(run_dir) == losses_by_step(clean["run_dir"])  # every step, bit for bit
 
@@ -130,12 +149,25 @@ def test_peer_copy_restores_a_lost_rank_and_a_corrupt_one_falls_back_to_disk(tmp
 
     port, procs = free_port(), []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         env.pop("PHALANX_AGENT_PID", None)
-        procs.append(subprocess.Popen([sys.executable, "-c", PAIR, str(tmp_path / "run"),
-                                       "corrupt" if corrupt else "sound"], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", PAIR, str(tmp_path / "run"), "corrupt" if corrupt else "sound"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)

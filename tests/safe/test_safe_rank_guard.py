@@ -22,14 +22,18 @@ def python(code: str, **kwargs) -> subprocess.Popen:
 
 def agent_with_board(path: Path) -> subprocess.Popen:
     """A stand-in node agent: a process that owns a heartbeat board (and beats on it) until killed."""
-    proc = python(f"""
+    proc = python(
+        f"""
         import time
         from pathlib import Path
         from phalanx.safe.heartbeat import HeartbeatBoard
         HeartbeatBoard(Path({str(path)!r}), 2)
         print("ready", flush=True)
         time.sleep(600)
-    """, stdout=subprocess.PIPE, text=True)
+    """,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -77,14 +81,18 @@ def test_a_rank_sees_its_agent_freeze(tmp_path):
 
 def test_a_rank_dies_with_its_parent_even_when_killed_with_sigkill():
     # parent -> child; the child arms the parent-death signal and sleeps; the parent is SIGKILLed.
-    parent = python("""
+    parent = python(
+        """
         import subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c",
             "from phalanx.safe.rank_guard import die_with_parent; import time; "
             "assert die_with_parent(); print('armed', flush=True); time.sleep(600)"], stdout=sys.stdout)
         print(child.pid, flush=True)
         time.sleep(600)
-    """, stdout=subprocess.PIPE, text=True)
+    """,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = psutil.Process(int(parent.stdout.readline()))
     assert parent.stdout.readline().strip() == "armed"
     parent.kill()

@@ -8,8 +8,10 @@ from phalanx.safe.telemetry import TelemetrySampler
 
 
 def record(temperature: float, free_gib: float = 100.0) -> dict:
-    return {"host": {"memory_used_bytes": 1, "memory_total_bytes": 10, "disk_free_bytes": free_gib * 2**30},
-            "devices": [{"device": 0, "temperature_c": temperature, "memory_ratio": 0.5}]}
+    return {
+        "host": {"memory_used_bytes": 1, "memory_total_bytes": 10, "disk_free_bytes": free_gib * 2**30},
+        "devices": [{"device": 0, "temperature_c": temperature, "memory_ratio": 0.5}],
+    }
 
 
 def test_a_reading_hovering_at_its_limit_alerts_once_and_rearms_after_coming_back(tmp_path):
@@ -20,8 +22,10 @@ def test_a_reading_hovering_at_its_limit_alerts_once_and_rearms_after_coming_bac
     sampler._check_alerts(record(80))  # clearly back under the limit
     sampler._check_alerts(record(95))
     alerts = read_events(tmp_path)
-    assert [(a["metric"], a["device"], a["value"]) for a in alerts] == [("device_temperature_c", 0, 91),
-                                                                      ("device_temperature_c", 0, 95)]
+    assert [(a["metric"], a["device"], a["value"]) for a in alerts] == [
+        ("device_temperature_c", 0, 91),
+        ("device_temperature_c", 0, 95),
+    ]
 
 
 def test_low_free_disk_alerts_with_positive_figures(tmp_path):

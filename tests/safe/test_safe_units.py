@@ -7,12 +7,12 @@ import time
 import pytest
 
 from phalanx.config.schema import SafeSection
+from phalanx.run.checkpoints import newest_valid_checkpoint, verify_checkpoint, write_manifest
 from phalanx.safe.goodput import account
 from phalanx.safe.heartbeat import ENV_FILE, Beat, Heartbeat, HeartbeatBoard
 from phalanx.safe.numerics import NumericsGuard
 from phalanx.safe.stacks import innermost_frame, register_stack_dump
 from phalanx.safe.watchdog import HangDetector
-from phalanx.run.checkpoints import newest_valid_checkpoint, verify_checkpoint, write_manifest
 
 
 def test_heartbeats_travel_through_the_shared_file(tmp_path, monkeypatch):
@@ -38,8 +38,9 @@ def beat(rank=0, step=10, phase="forward", when=100.0, last=0.1):
 
 
 def test_hang_limits_by_phase_and_calibration():
-    safe = SafeSection(hang_floor_s=2, hang_multiplier=10, startup_timeout_s=50, eval_timeout_s=40,
-                       checkpoint_timeout_s=30)
+    safe = SafeSection(
+        hang_floor_s=2, hang_multiplier=10, startup_timeout_s=50, eval_timeout_s=40, checkpoint_timeout_s=30
+    )
     detector = HangDetector(safe)
     assert detector.limit(beat(phase="start")) == 50
     assert detector.limit(beat(last=0.0)) == 50  # no step finished yet in this attempt
@@ -118,7 +119,10 @@ def test_stack_dump_on_signal(tmp_path):
         faulthandler.unregister(signal.SIGUSR1)
         handle.close()
     assert "test_safe_units.py" in dump and "test_stack_dump_on_signal" in dump
-    assert innermost_frame('Current thread 0x1 (most recent call first):\n  File "/a/b.py", line 3 in f\n') == "b.py:3 in f"
+    assert (
+        innermost_frame('Current thread 0x1 (most recent call first):\n  File "/a/b.py", line 3 in f\n')
+        == "b.py:3 in f"
+    )
     assert innermost_frame("garbage") is None
 
 
@@ -157,12 +161,17 @@ def test_goodput_buckets_from_events_and_metrics():
 
 def test_goodput_buckets_never_overlap_when_the_first_attempt_dies_early():
     t0 = 0.0
-    events = [{"time": 1.0, "kind": "attempt_started"},
-              {"time": 6.0, "kind": "worker_failed", "stalled_for": 2.0},  # died before its first step
-              {"time": 6.0, "kind": "restart"}, {"time": 6.0, "kind": "attempt_started"},
-              {"time": 10.0, "kind": "training_started"}]
-    metrics = [{"step": 0, "val_loss": 9.0, "eval_seconds": 1.0, "time": 9.5},
-               {"step": 1, "loss": 5.0, "step_seconds": 1.0, "time": 11.0}]
+    events = [
+        {"time": 1.0, "kind": "attempt_started"},
+        {"time": 6.0, "kind": "worker_failed", "stalled_for": 2.0},  # died before its first step
+        {"time": 6.0, "kind": "restart"},
+        {"time": 6.0, "kind": "attempt_started"},
+        {"time": 10.0, "kind": "training_started"},
+    ]
+    metrics = [
+        {"step": 0, "val_loss": 9.0, "eval_seconds": 1.0, "time": 9.5},
+        {"step": 1, "loss": 5.0, "step_seconds": 1.0, "time": 11.0},
+    ]
     g = account(events, metrics, t0, 12.0)["goodput"]
     assert g["startup"] == 4.0 and g["detection"] == 2.0 and g["restart"] == 3.0 and g["eval"] == 1.0
     assert sum(g.values()) == pytest.approx(12.0) and g["other"] == pytest.approx(1.0)
@@ -187,11 +196,15 @@ def test_stacks_of_live_and_stopped_processes(tmp_path):
 
     from phalanx.safe.stacks import process_state, take_stacks
 
-    child = ("import faulthandler, signal, sys, time\n"
-             "f = open(sys.argv[1], 'w'); faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
-             "print('ready', flush=True)\nwhile True: time.sleep(0.05)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", child, str(tmp_path / f"rank{i}.txt")], stdout=subprocess.PIPE)
-             for i in range(2)]
+    child = (
+        "import faulthandler, signal, sys, time\n"
+        "f = open(sys.argv[1], 'w'); faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
+        "print('ready', flush=True)\nwhile True: time.sleep(0.05)\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", child, str(tmp_path / f"rank{i}.txt")], stdout=subprocess.PIPE)
+        for i in range(2)
+    ]
     try:
         for proc in procs:
             assert proc.stdout.readline().strip() == b"ready"
@@ -224,5 +237,8 @@ def test_retention_keeps_what_explains_a_fault(tmp_path):
     (run.checkpoints / "step_00000040").mkdir()
     apply_retention(tmp_path)
     assert sorted(p.name for p in run.stacks.iterdir()) == [f"attempt{a}-rank0.txt" for a in range(2, 7)]
-    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["corrupt-step_00000020", "corrupt-step_00000030",
-                                                                  "step_00000040"]
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == [
+        "corrupt-step_00000020",
+        "corrupt-step_00000030",
+        "step_00000040",
+    ]

@@ -21,16 +21,24 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import TINY
-from tests.helpers import ranks_of
 
 from phalanx.run.records import read_events
+from tests.conftest import TINY
+from tests.helpers import ranks_of
 
 SHM_MIB = 32  # room for the ranks' snapshot slots (3 x 1.5 MiB each) and the heartbeat board
 # Rank 0 is slowed by 100 ms a step (until the restart: a fault fires once per run), so that the test
 # fills /dev/shm and kills a rank well before step 24.
-DRILL = ["train.max_steps=24", "train.eval_interval=100", "checkpoint.interval=4", "checkpoint.memory_interval=1",
-         'safe.inject=[{fault: slow, rank: 0, step: 1, ms: 100}]', "--nproc", "2", "--json"]
+DRILL = [
+    "train.max_steps=24",
+    "train.eval_interval=100",
+    "checkpoint.interval=4",
+    "checkpoint.memory_interval=1",
+    "safe.inject=[{fault: slow, rank: 0, step: 1, ms: 100}]",
+    "--nproc",
+    "2",
+    "--json",
+]
 
 
 def in_own_shm(mib: int, then: str = "") -> list[str]:
@@ -88,9 +96,13 @@ def test_a_restart_into_a_full_dev_shm_starts_cold_and_the_run_finishes(corpus, 
     args = [*TINY, f"data.sources=[{corpus}]", f"run.dir={runs_root}", f"run.name={name}", *DRILL]
     stderr = tmp_path / "stderr.txt"
     with open(stderr, "w") as err:
-        proc = subprocess.Popen([*in_own_shm(SHM_MIB), sys.executable, "-m", "phalanx", "train", *args],
-                                stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            [*in_own_shm(SHM_MIB), sys.executable, "-m", "phalanx", "train", *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.is_file() and metrics.read_text().count('"loss"') >= 5, proc, "step 5")
     keep_full(Path(f"/proc/{proc.pid}/root/dev/shm"), proc)  # the launch's own /dev/shm, not this machine's
@@ -101,8 +113,10 @@ def test_a_restart_into_a_full_dev_shm_starts_cold_and_the_run_finishes(corpus, 
     said = stderr.read_text()
     assert proc.returncode == 0, said[-4000:]
     assert "Traceback" not in said
-    assert "warning: /dev/shm is full (no room for the semaphores of a warm start): this attempt's ranks start " \
-           "as fresh interpreters" in said
+    assert (
+        "warning: /dev/shm is full (no room for the semaphores of a warm start): this attempt's ranks start "
+        "as fresh interpreters" in said
+    )
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 24 and summary["restarts"] == 1
     events = read_events(run_dir)
@@ -114,8 +128,23 @@ def test_a_restart_into_a_full_dev_shm_starts_cold_and_the_run_finishes(corpus, 
 @needs_root
 def test_a_launch_into_a_full_dev_shm_trains(tiny_args):
     fill = "dd if=/dev/zero of=/dev/shm/filler bs=4k 2>/dev/null;"  # until no page is left (dd then fails)
-    proc = subprocess.run([*in_own_shm(1, then=fill), sys.executable, "-m", "phalanx", "train", *tiny_args,
-                           "train.max_steps=4", "--nproc", "2", "--json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            *in_own_shm(1, then=fill),
+            sys.executable,
+            "-m",
+            "phalanx",
+            "train",
+            *tiny_args,
+            "train.max_steps=4",
+            "--nproc",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr
     assert "warning: /dev/shm is full (no room for the semaphores of a warm start)" in proc.stderr

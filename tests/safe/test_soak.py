@@ -17,29 +17,47 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import TINY
-from tests.helpers import losses_by_step, ranks_of, read_metrics, train_json
-from tests.observe.tcp_proxy import TcpRelay
 
 from phalanx.observe import tables as t
 from phalanx.observe.store import RunStore
 from phalanx.run.records import read_events
+from tests.conftest import TINY
+from tests.helpers import losses_by_step, ranks_of, read_metrics, train_json
+from tests.observe.tcp_proxy import TcpRelay
 
 pytestmark = pytest.mark.slow
 
 STEPS = 40
-RUN = [f"train.max_steps={STEPS}", "checkpoint.interval=5", "checkpoint.keep=10", "train.eval_interval=100",
-       "checkpoint.memory_interval=1", "safe.max_restarts=10", "safe.crash_loop_restarts=5",
-       "safe.hang_timeout_s=2", "observe.sync_interval_s=0.2", "observe.store_retry_s=120", "--nproc", "2"]
-FAULTS = ("[{fault: slow, rank: 1, step: 2, ms: 5}, {fault: kill, rank: 1, step: 6}, {fault: nan, rank: 0, step: 8},"
-          " {fault: fail_save, rank: 0, step: 10}, {fault: hang, rank: 1, step: 13},"
-          " {fault: corrupt_checkpoint, rank: 0, step: 16}, {fault: nan, rank: 1, step: 17},"
-          " {fault: hang, rank: 0, step: 21, phase: collective}, {fault: kill, rank: 0, step: 24}]")
+RUN = [
+    f"train.max_steps={STEPS}",
+    "checkpoint.interval=5",
+    "checkpoint.keep=10",
+    "train.eval_interval=100",
+    "checkpoint.memory_interval=1",
+    "safe.max_restarts=10",
+    "safe.crash_loop_restarts=5",
+    "safe.hang_timeout_s=2",
+    "observe.sync_interval_s=0.2",
+    "observe.store_retry_s=120",
+    "--nproc",
+    "2",
+]
+FAULTS = (
+    "[{fault: slow, rank: 1, step: 2, ms: 5}, {fault: kill, rank: 1, step: 6}, {fault: nan, rank: 0, step: 8},"
+    " {fault: fail_save, rank: 0, step: 10}, {fault: hang, rank: 1, step: 13},"
+    " {fault: corrupt_checkpoint, rank: 0, step: 16}, {fault: nan, rank: 1, step: 17},"
+    " {fault: hang, rank: 0, step: 21, phase: collective}, {fault: kill, rank: 0, step: 24}]"
+)
 
 
 def start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "phalanx", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 300) -> None:
@@ -102,8 +120,15 @@ def test_the_soak_meets_every_fault_and_ends_with_a_clean_runs_losses(corpus, ru
                 proc.kill()
 
     kinds = [e["kind"] for e in read_events(run_dir)]
-    for kind in ("worker_failed", "hang_detected", "anomaly", "rollback", "save_failed", "checkpoint_corrupt",
-                 "preempted"):
+    for kind in (
+        "worker_failed",
+        "hang_detected",
+        "anomaly",
+        "rollback",
+        "save_failed",
+        "checkpoint_corrupt",
+        "preempted",
+    ):
         assert kind in kinds, f"no {kind} event: the soak did not meet that fault"
     assert kinds.count("hang_detected") == 2 and kinds.count("anomaly") == 2
     assert any(e["kind"] == "checkpoint_loaded" and e.get("source") == "memory" for e in read_events(run_dir))
@@ -114,8 +139,11 @@ def test_the_soak_meets_every_fault_and_ends_with_a_clean_runs_losses(corpus, ru
     try:
         run = store.find_run("soak")
         with store.engine.connect() as conn:
-            stored = list(conn.execute(sa.select(t.steps.c.step).where(t.steps.c.run_id == run["id"])
-                                       .order_by(t.steps.c.step)).scalars())
+            stored = list(
+                conn.execute(
+                    sa.select(t.steps.c.step).where(t.steps.c.run_id == run["id"]).order_by(t.steps.c.step)
+                ).scalars()
+            )
         # Every line of metrics.jsonl exactly once: a step redone after a restart is a line of its own.
         assert stored == sorted(m["step"] for m in read_metrics(run_dir) if "step" in m)
         assert set(stored) == set(range(0, STEPS + 1))  # 0: the first validation loss

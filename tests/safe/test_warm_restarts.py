@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
-from tests.conftest import TINY
-from tests.helpers import losses_by_step, parent_of, ranks_of, train_json
 
 from phalanx.run.records import read_events
+from tests.conftest import TINY
+from tests.helpers import losses_by_step, parent_of, ranks_of, train_json
 
 pytestmark = pytest.mark.slow  # three launches of two ranks
 
@@ -35,9 +35,13 @@ def restart_seconds(run_dir) -> float:
 
 def test_ranks_are_forked_by_one_server_that_outlives_a_rank_and_restart_sooner(base, runs_root):
     clean = losses_by_step(train_json(*base, "run.name=warm-clean", *DRILL)["run_dir"])
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "train", *base, "run.name=warm-kill", *DRILL, KILL],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "train", *base, "run.name=warm-kill", *DRILL, KILL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     servers: dict[int, set[int]] = {}  # fork server pid -> the rank pids seen under it
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers import train_json
 from serve_helpers import API_KEY, MODEL, SERVE_RUN, LiveServer, serve_process
+
+from tests.helpers import train_json
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,30 @@ def server(served_run, tmp_path_factory) -> LiveServer:
     """`phalanx serve` itself: 8 slots (so 16 requests also queue), an API key, any free port; float32, as
     the references these tests compute in process (a CPU with bf16 units would serve bf16 by default)."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serve_process([sys.executable, "-m", "phalanx", "serve", str(served_run), "--port", "0", "--api-key", API_KEY,
-                        "--model-name", MODEL, "--slots", "8", "--max-queue", "32", "--dtype", "float32",
-                        "--log-level", "warning"], log) as url:
+    with serve_process(
+        [
+            sys.executable,
+            "-m",
+            "phalanx",
+            "serve",
+            str(served_run),
+            "--port",
+            "0",
+            "--api-key",
+            API_KEY,
+            "--model-name",
+            MODEL,
+            "--slots",
+            "8",
+            "--max-queue",
+            "32",
+            "--dtype",
+            "float32",
+            "--log-level",
+            "warning",
+        ],
+        log,
+    ) as url:
         yield LiveServer(url, API_KEY)
 
 

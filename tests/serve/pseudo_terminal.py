@@ -64,7 +64,7 @@ class PseudoTerminal:
         while True:
             text = self.text
             if found := compiled.search(text, self.seen):
-                before, self.seen = text[self.seen:found.start()], found.end()
+                before, self.seen = text[self.seen : found.start()], found.end()
                 return before
             if time.monotonic() > deadline or not self._read(0.05):
                 raise AssertionError(f"never saw {pattern!r}; the terminal shows:\n{text[-3000:]}")

@@ -18,10 +18,22 @@ MODEL = "tiny-test"
 # The tiny shape of tests/conftest.py's TINY, with a longer context so a request can run for a while
 # (the queue tests) and a prompt can overflow it; 4 steps of training are plenty to serve.
 SERVE_RUN = [
-    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=160",
-    "model.max_seq_len=1024", "data.vocab_size=384", "train.seq_len=32", "train.global_batch_size=8",
-    "train.micro_batch_size=4", "train.max_steps=4", "train.warmup_steps=2", "train.eval_interval=4",
-    "train.eval_batches=2", "checkpoint.interval=4", "checkpoint.keep=1",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=160",
+    "model.max_seq_len=1024",
+    "data.vocab_size=384",
+    "train.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.max_steps=4",
+    "train.warmup_steps=2",
+    "train.eval_interval=4",
+    "train.eval_batches=2",
+    "checkpoint.interval=4",
+    "checkpoint.keep=1",
 ]
 
 
@@ -39,8 +51,7 @@ class LiveServer:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: Path | None = None,
-                 timeout: float = 120) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: Path | None = None, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -79,21 +90,29 @@ def serve_process(command: list[str], log: Path, start_timeout: float = 120, env
 class InProcessServer:
     """The same app in a thread of the test process, for settings the shared server does not have."""
 
-    def __init__(self, path: Path, slots: int, max_queue: int, api_key: str | None = None,
-                 name: str | None = MODEL, **app_options):
+    def __init__(
+        self,
+        path: Path,
+        slots: int,
+        max_queue: int,
+        api_key: str | None = None,
+        name: str | None = MODEL,
+        **app_options,
+    ):
         import uvicorn
 
         from phalanx.http_server import server_config
-        from phalanx.serve.http.app import create_app
-        from phalanx.serve.engines.torch_engine import Engine
-        from phalanx.serve.http.metrics import ServeMetrics
         from phalanx.serve.core.served import load_served_model
+        from phalanx.serve.engines.torch_engine import Engine
+        from phalanx.serve.http.app import create_app
+        from phalanx.serve.http.metrics import ServeMetrics
         from phalanx.serve.server import bind
 
         self.served = load_served_model(path, name=name)
         metrics = ServeMetrics()
-        self.engine = Engine(self.served.loaded.model, self.served.loaded.tokenizer, slots=slots,
-                             max_queue=max_queue, observer=metrics)
+        self.engine = Engine(
+            self.served.loaded.model, self.served.loaded.tokenizer, slots=slots, max_queue=max_queue, observer=metrics
+        )
         app = create_app(self.served, self.engine, metrics, api_key=api_key, **app_options)
         self.sock = bind("127.0.0.1", 0)
         self.live = LiveServer(f"http://127.0.0.1:{self.sock.getsockname()[1]}", api_key)

@@ -7,7 +7,7 @@ the real app in a thread of this process (its own server: unloading must not dis
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import httpx
 import ollama
@@ -50,10 +50,16 @@ def generate(oll: ollama.Client, **extra):
 
 # ---- HEAD and 405 ----
 
+
 @pytest.mark.slow
 def test_head_on_every_get_route(live, http):
-    paths = sorted({route.path.replace("{model_id:path}", MODEL) for route in all_routes(live.inner.uvicorn.config.app)
-                    if "GET" in getattr(route, "methods", ())})
+    paths = sorted(
+        {
+            route.path.replace("{model_id:path}", MODEL)
+            for route in all_routes(live.inner.uvicorn.config.app)
+            if "GET" in getattr(route, "methods", ())
+        }
+    )
     assert {"/api/tags", "/api/ps", "/api/version", "/v1/models", f"/v1/models/{MODEL}", "/health"} <= set(paths)
     for path in paths:
         got, head = http.get(path), http.head(path)
@@ -75,8 +81,12 @@ def all_routes(app) -> list:
 
 
 def test_wrong_method_is_405_with_allow(http):
-    for method, path, allow in [("POST", "/api/tags", "GET, HEAD"), ("GET", "/api/chat", "POST"),
-                                ("DELETE", "/v1/models", "GET, HEAD"), ("PUT", "/api/embed", "POST")]:
+    for method, path, allow in [
+        ("POST", "/api/tags", "GET, HEAD"),
+        ("GET", "/api/chat", "POST"),
+        ("DELETE", "/v1/models", "GET, HEAD"),
+        ("PUT", "/api/embed", "POST"),
+    ]:
         response = http.request(method, path)
         assert response.status_code == 405 and response.headers["allow"] == allow, (method, path)
     head = http.head("/api/generate")  # HEAD runs as GET inside; the client is told what it sent
@@ -89,11 +99,26 @@ def test_wrong_method_is_405_with_allow(http):
 
 # ---- options Ollama ignores, raw with system ----
 
+
 def test_options_ollama_ignores_are_accepted_and_ignored(oll, http):
     plain = generate(oll)
-    ignored = {"mirostat": 2, "mirostat_eta": 0.2, "mirostat_tau": 4.0, "num_keep": 5, "typical_p": 0.7,
-               "num_thread": 1, "num_gpu": 0, "main_gpu": 0, "use_mmap": False, "numa": False, "low_vram": True,
-               "num_batch": 64, "tfs_z": 1.0, "use_mlock": False, "penalize_newline": True}
+    ignored = {
+        "mirostat": 2,
+        "mirostat_eta": 0.2,
+        "mirostat_tau": 4.0,
+        "num_keep": 5,
+        "typical_p": 0.7,
+        "num_thread": 1,
+        "num_gpu": 0,
+        "main_gpu": 0,
+        "use_mmap": False,
+        "numa": False,
+        "low_vram": True,
+        "num_batch": 64,
+        "tfs_z": 1.0,
+        "use_mlock": False,
+        "penalize_newline": True,
+    }
     same = oll.generate(model=MODEL, prompt="ROMEO:", raw=True, options={**GREEDY, **ignored})
     assert same.response == plain.response and same.eval_count == plain.eval_count
     # Still typed as Ollama types them, and a name Ollama does not know is still an error.
@@ -114,6 +139,7 @@ def test_raw_with_system_as_ollama_treats_it(oll, http):
 
 
 # ---- keep_alive ----
+
 
 def test_keep_alive_values_as_ollama_reads_them():
     assert parse_keep_alive("5m") == 300 and parse_keep_alive("1h30m") == 5400
@@ -167,7 +193,7 @@ def test_keep_alive_unloads_after_the_idle_time(live, oll, http):
     done = time.monotonic()
     (entry,) = http.get("/api/ps").json()["models"]
     expires = datetime.fromisoformat(entry["expires_at"].replace("Z", "+00:00"))
-    assert 0 <= (expires - datetime.now(timezone.utc)).total_seconds() <= 1.5
+    assert 0 <= (expires - datetime.now(UTC)).total_seconds() <= 1.5
     time.sleep(0.3)
     assert weights_in(live)  # not before the idle time has passed
     wait_until(lambda: not weights_in(live), 20)

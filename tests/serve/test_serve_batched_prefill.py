@@ -13,14 +13,15 @@ import pytest
 import torch
 
 from phalanx.models.llama import KVCache, ModelArgs, Transformer
-from phalanx.serve.engines.torch_engine import Engine
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.engines.prefill import prefill_rows_agree, prefill_together
 from phalanx.serve.engines.row_invariant import RowInvariantLinear, make_rows_invariant
+from phalanx.serve.engines.torch_engine import Engine
 
 # ffn 1152: w2's reduction is cut in two chunks of at most 1024 (row_invariant.py), so the chunked path runs.
-ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=320,
-                 rope_theta=10000.0)
+ARGS = ModelArgs(
+    dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=320, rope_theta=10000.0
+)
 
 
 def requests(tokenizer, count: int) -> list[tuple[list[int], SamplingOptions]]:
@@ -47,8 +48,9 @@ def run_all(engine: Engine, reqs) -> list[tuple]:
         texts = [stream.text() for stream in streams]
     finally:
         engine.stop()
-    return [(text, s.finish.completion_tokens, s.finish.reason, s.logprobs, s.finish)
-            for text, s in zip(texts, streams)]
+    return [
+        (text, s.finish.completion_tokens, s.finish.reason, s.logprobs, s.finish) for text, s in zip(texts, streams)
+    ]
 
 
 def alone(model, tokenizer, reqs) -> list[tuple]:
@@ -64,8 +66,11 @@ def outputs(results) -> list[tuple]:
 
 def prefill_alone(net: Transformer, ids: list[int], cache: KVCache, row: int) -> torch.Tensor:
     """The model's own forward over one prompt into one cache row (the engine's prefill before batching)."""
-    view = type("Row", (), {"max_len": cache.max_len, "layer": lambda self, i: (cache.k[i][row:row + 1],
-                                                                                cache.v[i][row:row + 1])})()
+    view = type(
+        "Row",
+        (),
+        {"max_len": cache.max_len, "layer": lambda self, i: (cache.k[i][row : row + 1], cache.v[i][row : row + 1])},
+    )()
     return net(torch.tensor([ids]), view, start_pos=0)[0, -1]
 
 

@@ -6,14 +6,13 @@ forgets the history (and says so), a turn too long for the context is refused an
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import re
 import signal
 import subprocess
 import sys
 
+import pytest
 from serve_helpers import InProcessServer
 
 # Seeded sampling: a 4-step model's greedy replies are all newlines, which would hide a lost history.
@@ -24,8 +23,14 @@ TOO_LONG = " ".join(["wherefore"] * 1500)  # well over the 1024-token context
 
 
 def phalanx_chat(*args: str, stdin: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "phalanx", "chat", *args], input=stdin, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx", "chat", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def block(line: str, answer: str) -> str:
@@ -36,9 +41,14 @@ def block(line: str, answer: str) -> str:
 def test_chat_piped_locally_and_against_a_server(served_run):
     # One slot, like the local chat's own engine: same shapes, same bits, same seeded replies.
     with InProcessServer(served_run, slots=1, max_queue=4, api_key="chat-key") as live, live.client() as http:
+
         def reply(messages, seed=7):
-            body = {"model": live.model, "messages": messages, "stream": False,
-                    "options": {"temperature": 0.8, "seed": seed, "num_predict": 8}}
+            body = {
+                "model": live.model,
+                "messages": messages,
+                "stream": False,
+                "options": {"temperature": 0.8, "seed": seed, "num_predict": 8},
+            }
             return http.post("/api/chat", json=body).json()["message"]["content"]
 
         def user(text):
@@ -52,22 +62,47 @@ def test_chat_piped_locally_and_against_a_server(served_run):
         assert r2 != reply([user(ANSWER)])  # the history changes the reply
         r3 = reply([user(ASK), assistant(r1), user(ASK)], seed=8)
         assert r3 != reply([user(ASK), assistant(r1), user(ASK)])  # the seed changes the reply
-        r4 = reply([{"role": "system", "content": SYSTEM}, user(ASK), assistant(r1), user(ASK), assistant(r3),
-                    user(ASK)], seed=8)
-        script = [ASK, ANSWER, "/clear", TOO_LONG, "", ASK, "/set parameter seed 8", ASK, f"/set system {SYSTEM}",
-                  ASK, "/bye", "never read"]
-        expected = (block(ASK, r1) + block(ANSWER, r2)
-                    + block("/clear", "Cleared the conversation: 2 exchanges forgotten.")
-                    + block(TOO_LONG, "") + block(ASK, r1)
-                    + block("/set parameter seed 8", "Set parameter 'seed' to '8'") + block(ASK, r3)
-                    + block(f"/set system {SYSTEM}", "Set system message.") + block(ASK, r4) + ">>> /bye\n")
+        r4 = reply(
+            [{"role": "system", "content": SYSTEM}, user(ASK), assistant(r1), user(ASK), assistant(r3), user(ASK)],
+            seed=8,
+        )
+        script = [
+            ASK,
+            ANSWER,
+            "/clear",
+            TOO_LONG,
+            "",
+            ASK,
+            "/set parameter seed 8",
+            ASK,
+            f"/set system {SYSTEM}",
+            ASK,
+            "/bye",
+            "never read",
+        ]
+        expected = (
+            block(ASK, r1)
+            + block(ANSWER, r2)
+            + block("/clear", "Cleared the conversation: 2 exchanges forgotten.")
+            + block(TOO_LONG, "")
+            + block(ASK, r1)
+            + block("/set parameter seed 8", "Set parameter 'seed' to '8'")
+            + block(ASK, r3)
+            + block(f"/set system {SYSTEM}", "Set system message.")
+            + block(ASK, r4)
+            + ">>> /bye\n"
+        )
 
         local = phalanx_chat(str(served_run), *OPTIONS, "--verbose", stdin="\n".join(script) + "\n")
         assert local.returncode == 0, local.stderr
         assert local.stdout == expected
         # The refused turn says why, on stderr; --verbose adds the counts of each of the five replies.
-        assert re.search(r"^error: the prompt is \d+ tokens but the context holds 1024.*/clear starts a new "
-                         r"conversation$", local.stderr, re.M), local.stderr
+        assert re.search(
+            r"^error: the prompt is \d+ tokens but the context holds 1024.*/clear starts a new "
+            r"conversation$",
+            local.stderr,
+            re.M,
+        ), local.stderr
         stats = re.findall(r"^(\d+) tokens in [\d.]+ s .*; prompt (\d+) tokens in [\d.]+ s$", local.stderr, re.M)
         assert len(stats) == 5 and all(0 < int(n) <= 8 and int(p) > 0 for n, p in stats), local.stderr
 
@@ -90,9 +125,14 @@ def test_chat_piped_locally_and_against_a_server(served_run):
 def test_ctrl_c_ends_a_piped_chat(served_run):
     """Piped in, there is no one to go on chatting with: Ctrl-C (SIGINT) ends the chat as it ends any
     command, with one line and exit 130, rather than going on to the next line."""
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "chat", str(served_run), "--seed", "7"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "chat", str(served_run), "--seed", "7"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         proc.stdin.write(f"{ASK}\n{ANSWER}\n")
         proc.stdin.flush()

@@ -29,20 +29,26 @@ def test_parameters_are_the_servers_options():
     assert all(f"/set parameter {name} " in COMPLETIONS for name in PARAMETERS)
 
 
-@pytest.mark.parametrize("line, answer, params", [
-    ("/set parameter temperature 0.5", "Set parameter 'temperature' to '0.5'", {"temperature": 0.5}),
-    ("/set parameter seed 42", "Set parameter 'seed' to '42'", {"seed": 42}),
-    ("/set parameter num_predict -1", "Set parameter 'num_predict' to '-1'", {"num_predict": -1}),
-    ("/set parameter stop END Fin", "Set parameter 'stop' to 'END, Fin'", {"stop": ["END", "Fin"]}),
-    ("/set parameter top_p 3", "Couldn't set parameter: top_p must be between 0 and 1", {}),
-    ("/set parameter num_predict -5", "Couldn't set parameter: num_predict must be >= 0, or -1 for no limit", {}),
-    ("/set parameter num_ctx 0", "Couldn't set parameter: invalid 'num_ctx': Input should be greater than or "
-                                 "equal to 1", {}),
-    ("/set parameter top_k 2.5", "Couldn't set parameter: top_k takes one integer", {}),
-    ("/set parameter temperature warm", "Couldn't set parameter: temperature takes one number", {}),
-    ("/set parameter seed 1 2", "Couldn't set parameter: seed takes one integer", {}),
-    ("/set parameter seed", "Usage: /set parameter seed VALUE", {}),
-])
+@pytest.mark.parametrize(
+    "line, answer, params",
+    [
+        ("/set parameter temperature 0.5", "Set parameter 'temperature' to '0.5'", {"temperature": 0.5}),
+        ("/set parameter seed 42", "Set parameter 'seed' to '42'", {"seed": 42}),
+        ("/set parameter num_predict -1", "Set parameter 'num_predict' to '-1'", {"num_predict": -1}),
+        ("/set parameter stop END Fin", "Set parameter 'stop' to 'END, Fin'", {"stop": ["END", "Fin"]}),
+        ("/set parameter top_p 3", "Couldn't set parameter: top_p must be between 0 and 1", {}),
+        ("/set parameter num_predict -5", "Couldn't set parameter: num_predict must be >= 0, or -1 for no limit", {}),
+        (
+            "/set parameter num_ctx 0",
+            "Couldn't set parameter: invalid 'num_ctx': Input should be greater than or equal to 1",
+            {},
+        ),
+        ("/set parameter top_k 2.5", "Couldn't set parameter: top_k takes one integer", {}),
+        ("/set parameter temperature warm", "Couldn't set parameter: temperature takes one number", {}),
+        ("/set parameter seed 1 2", "Couldn't set parameter: seed takes one integer", {}),
+        ("/set parameter seed", "Usage: /set parameter seed VALUE", {}),
+    ],
+)
 def test_set_parameter(line, answer, params):
     conversation = Conversation(params={})
     assert command(line, conversation) == answer
@@ -66,15 +72,22 @@ def test_system_verbose_clear_and_the_messages_sent():
     assert conversation.system == "Speak  in verse."  # the text as typed, inner spaces kept
     conversation.exchanges += [("Who is there?", "Nay."), ("Answer me.", "Stand.")]
     assert conversation.messages("Again?") == [
-        {"role": "system", "content": "Speak  in verse."}, {"role": "user", "content": "Who is there?"},
-        {"role": "assistant", "content": "Nay."}, {"role": "user", "content": "Answer me."},
-        {"role": "assistant", "content": "Stand."}, {"role": "user", "content": "Again?"}]
+        {"role": "system", "content": "Speak  in verse."},
+        {"role": "user", "content": "Who is there?"},
+        {"role": "assistant", "content": "Nay."},
+        {"role": "user", "content": "Answer me."},
+        {"role": "assistant", "content": "Stand."},
+        {"role": "user", "content": "Again?"},
+    ]
     assert command("/set verbose", conversation) == "Set 'verbose' mode." and conversation.verbose
     assert command("/set quiet", conversation) == "Set 'quiet' mode." and not conversation.verbose
-    assert command("/clear", conversation) == ("Cleared the conversation: 2 exchanges forgotten (the system "
-                                               "message stays).")
-    assert conversation.messages("Hi") == [{"role": "system", "content": "Speak  in verse."},
-                                           {"role": "user", "content": "Hi"}]
+    assert command("/clear", conversation) == (
+        "Cleared the conversation: 2 exchanges forgotten (the system message stays)."
+    )
+    assert conversation.messages("Hi") == [
+        {"role": "system", "content": "Speak  in verse."},
+        {"role": "user", "content": "Hi"},
+    ]
 
 
 def test_help_and_unknown_commands():
@@ -89,8 +102,9 @@ def test_help_and_unknown_commands():
 
 
 def test_check_parameters_gives_the_engines_options():
-    options, num_ctx = check_parameters({"temperature": 0, "num_predict": 3, "num_ctx": 64, "stop": ["X"]},
-                                        ["\n\nUSER:"])
+    options, num_ctx = check_parameters(
+        {"temperature": 0, "num_predict": 3, "num_ctx": 64, "stop": ["X"]}, ["\n\nUSER:"]
+    )
     assert (options.temperature, options.max_tokens, num_ctx) == (0, 3, 64)
     assert options.stop == ("\n\nUSER:", "X") and options.top_k == 40  # Ollama's defaults fill the rest
     with pytest.raises(InvalidParameters, match="unknown field 'colour'"):
@@ -106,15 +120,17 @@ def test_piped_lines_echo_and_multi_line_messages():
     assert read_message(lines) == ("/bye", False)  # the last line may lack its newline
     with pytest.raises(EOFError):
         read_message(lines)
-    assert out.getvalue() == ('>>> Who is there?\n>>> """First\n... \n... third"""\n>>> """one line"""\n'
-                              '>>> /bye\n')
+    assert out.getvalue() == ('>>> Who is there?\n>>> """First\n... \n... third"""\n>>> """one line"""\n>>> /bye\n')
 
 
-@pytest.mark.parametrize("pieces, shown", [
-    (["\n", " Hello", " ", "\n", "world", "\n\n"], "Hello \nworld\n\n"),
-    (["\n\n", "  "], "\n"),  # nothing to show: the block is only its blank line
-    (["a", "b\n", "c"], "ab\nc\n\n"),
-])
+@pytest.mark.parametrize(
+    "pieces, shown",
+    [
+        (["\n", " Hello", " ", "\n", "world", "\n\n"], "Hello \nworld\n\n"),
+        (["\n\n", "  "], "\n"),  # nothing to show: the block is only its blank line
+        (["a", "b\n", "c"], "ab\nc\n\n"),
+    ],
+)
 def test_reply_writer_trims_the_reply_into_one_block(pieces, shown):
     out = io.StringIO()
     writer = ReplyWriter(out)

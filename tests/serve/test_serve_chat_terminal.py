@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from pseudo_terminal import CTRL_C, CTRL_D, TAB, UP, PseudoTerminal
 from serve_helpers import InProcessServer
 
@@ -101,9 +100,13 @@ def test_chat_at_a_terminal(served_run, tmp_path):
         term.expect("/show info")
         term.line("")
         info = term.expect(r"\n>>> ")
-        for label, value in (("name", "serve-tiny"), ("context length", "1024"), ("layers", "2"),
-                             ("attention heads", "4 (2 key/value)"),
-                             ("checkpoint", f"{served_run}/checkpoints/step_00000004")):
+        for label, value in (
+            ("name", "serve-tiny"),
+            ("context length", "1024"),
+            ("layers", "2"),
+            ("attention heads", "4 (2 key/value)"),
+            ("checkpoint", f"{served_run}/checkpoints/step_00000004"),
+        ):
             assert re.search(rf"\n    {label}\s+{re.escape(value)}\n", info), (label, info)
 
         # Parameters: set, refused with the server's own words, shown.

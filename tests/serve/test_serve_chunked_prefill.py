@@ -15,13 +15,14 @@ import torch
 
 from phalanx.models.llama import KVCache, ModelArgs, Transformer
 from phalanx.serve.core.contract import QueueFull
-from phalanx.serve.engines.torch_engine import Engine
 from phalanx.serve.core.options import SamplingOptions
-from phalanx.serve.engines.prefill import chunk_plan, prefill_chunk
 from phalanx.serve.core.structured_output import schema_grammar
+from phalanx.serve.engines.prefill import chunk_plan, prefill_chunk
+from phalanx.serve.engines.torch_engine import Engine
 
-ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=320,
-                 rope_theta=10000.0)
+ARGS = ModelArgs(
+    dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=320, rope_theta=10000.0
+)
 CHUNK = 32
 LONG = torch.randint(3, ARGS.vocab_size, (230,), generator=torch.Generator().manual_seed(1)).tolist()  # 8 chunks
 
@@ -69,8 +70,7 @@ def output(stream) -> tuple:
     return text, stream.finish.completion_tokens, stream.finish.reason, stream.logprobs
 
 
-def alone(model, tokenizer, ids, options, fallback=False, chunk=CHUNK, grammar=None, top_logprobs=2,
-          slots=1) -> tuple:
+def alone(model, tokenizer, ids, options, fallback=False, chunk=CHUNK, grammar=None, top_logprobs=2, slots=1) -> tuple:
     e = engine(model, tokenizer, slots, fallback, chunk)
     e.start()
     try:
@@ -101,11 +101,14 @@ def test_chunks_attend_over_the_cached_positions_before_them(model):
         assert torch.allclose(a, b, atol=1e-4)
 
 
-@pytest.mark.parametrize("fallback,dtype", [(False, "f32"), (True, "f32"), (True, "bf16"), (False, "fp16")],
-                         ids=["batched", "one-at-a-time-full-shape", "one-at-a-time-full-shape-bf16",
-                              "torch-layers-fp16"])
-def test_a_long_prompt_gets_its_tokens_alone_while_others_decode_between_its_chunks(request, tokenizer, fallback,
-                                                                                   dtype):
+@pytest.mark.parametrize(
+    "fallback,dtype",
+    [(False, "f32"), (True, "f32"), (True, "bf16"), (False, "fp16")],
+    ids=["batched", "one-at-a-time-full-shape", "one-at-a-time-full-shape-bf16", "torch-layers-fp16"],
+)
+def test_a_long_prompt_gets_its_tokens_alone_while_others_decode_between_its_chunks(
+    request, tokenizer, fallback, dtype
+):
     model = request.getfixturevalue({"f32": "model", "bf16": "bf16_model", "fp16": "fp16_model"}[dtype])
     # Torch's own layers give a row other bits at another product height or batch index, so "alone" there
     # is alone on a server of the same width (steps at full shape), at the same cache row.
@@ -128,8 +131,12 @@ def test_a_long_prompt_gets_its_tokens_alone_while_others_decode_between_its_chu
         long = e.submit(LONG, long_options, top_logprobs=2)
         later = [e.submit(short(i), later_options, top_logprobs=2) for i in (1, 2)]  # behind the long one
         got_long, got_later = output(long), [output(s) for s in later]
-        got_runner = ("".join(first + list(pieces)), runner.finish.completion_tokens, runner.finish.reason,
-                      runner.logprobs)
+        got_runner = (
+            "".join(first + list(pieces)),
+            runner.finish.completion_tokens,
+            runner.finish.reason,
+            runner.logprobs,
+        )
     finally:
         e.stop()
     assert got_long == expected_long
@@ -223,14 +230,15 @@ def test_a_chunked_prompt_that_fills_the_context_under_a_grammar_with_logprobs(m
     """context - 1 prompt tokens (nine chunks of 32 and one of 31): room for one token, which the grammar
     shapes from the first; and a grammar's whole reply after a long prompt, beside a runner as alone."""
     grammar = schema_grammar({"enum": ["yes", "no"]})
-    fill = (LONG * 2)[:ARGS.max_seq_len - 1]
+    fill = (LONG * 2)[: ARGS.max_seq_len - 1]
     options = SamplingOptions(temperature=0, max_tokens=20)
     expected = alone(model, tokenizer, LONG, options, grammar=grammar, top_logprobs=3)
     e = engine(model, tokenizer, 2)
     e.start()
     try:
-        full = e.submit(fill, SamplingOptions(temperature=0), top_logprobs=3,
-                        constraint=e.vocabulary.constraint(grammar))
+        full = e.submit(
+            fill, SamplingOptions(temperature=0), top_logprobs=3, constraint=e.vocabulary.constraint(grammar)
+        )
         full_text = full.text()
         runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=100, ignore_eos=True))
         pieces = iter(runner)

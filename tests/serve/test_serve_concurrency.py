@@ -19,17 +19,54 @@ def requests(model: str) -> list[tuple[str, dict]]:
         line = "Who is there? " * (i % 4) + f"Speak, {i}."
         n = 12 + 2 * i
         if i % 4 == 0:
-            out.append(("openai-chat", {"model": model, "messages": [{"role": "user", "content": line}],
-                                        "max_tokens": n, "temperature": 0, "presence_penalty": 1.0}))
+            out.append(
+                (
+                    "openai-chat",
+                    {
+                        "model": model,
+                        "messages": [{"role": "user", "content": line}],
+                        "max_tokens": n,
+                        "temperature": 0,
+                        "presence_penalty": 1.0,
+                    },
+                )
+            )
         elif i % 4 == 1:
-            out.append(("openai-completion", {"model": model, "prompt": "ROMEO: " + line, "max_tokens": n,
-                                              "temperature": 0, "presence_penalty": 1.0}))
+            out.append(
+                (
+                    "openai-completion",
+                    {
+                        "model": model,
+                        "prompt": "ROMEO: " + line,
+                        "max_tokens": n,
+                        "temperature": 0,
+                        "presence_penalty": 1.0,
+                    },
+                )
+            )
         elif i % 4 == 2:  # and Ollama's default repeat penalty
-            out.append(("ollama-chat", {"model": model, "messages": [{"role": "user", "content": line}],
-                                        "options": {"temperature": 0, "presence_penalty": 1.0, "num_predict": n}}))
+            out.append(
+                (
+                    "ollama-chat",
+                    {
+                        "model": model,
+                        "messages": [{"role": "user", "content": line}],
+                        "options": {"temperature": 0, "presence_penalty": 1.0, "num_predict": n},
+                    },
+                )
+            )
         else:  # seeded sampling is per request too
-            out.append(("ollama-generate", {"model": model, "prompt": "JULIET: " + line, "raw": True,
-                                            "options": {"temperature": 0.9, "seed": i, "num_predict": n}}))
+            out.append(
+                (
+                    "ollama-generate",
+                    {
+                        "model": model,
+                        "prompt": "JULIET: " + line,
+                        "raw": True,
+                        "options": {"temperature": 0.9, "seed": i, "num_predict": n},
+                    },
+                )
+            )
     return out
 
 

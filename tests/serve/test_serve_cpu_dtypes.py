@@ -17,14 +17,15 @@ import torch
 from serve_helpers import wait_healthy
 
 from phalanx.models.llama import KVCache, ModelArgs, Transformer
-from phalanx.serve.engines.torch_engine import Engine
-from phalanx.serve.engines.int8_weights import Int8WeightLinear, quantize_linear_weights
 from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.engines.int8_weights import Int8WeightLinear, quantize_linear_weights
+from phalanx.serve.engines.torch_engine import Engine
 from phalanx.serve.server import cpu_has_bf16_units, pick_device
 from tests.helpers import phalanx
 
-ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=160,
-                 rope_theta=10000.0)
+ARGS = ModelArgs(
+    dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=160, rope_theta=10000.0
+)
 
 
 def test_an_int8_layer_is_close_to_its_original_and_the_same_bits_per_row_at_any_width():
@@ -34,7 +35,7 @@ def test_an_int8_layer_is_close_to_its_original_and_the_same_bits_per_row_at_any
     assert layer.qweight.dtype == torch.int8 and layer.qweight.shape == (96, 1152)
     x = torch.randn(16, 1, 1152).to(torch.bfloat16)
     with torch.no_grad():
-        one_by_one = torch.cat([layer(x[r:r + 1]) for r in range(16)])
+        one_by_one = torch.cat([layer(x[r : r + 1]) for r in range(16)])
         for m in (2, 4, 8, 16):
             assert torch.equal(layer(x[:m]), one_by_one[:m]), m
         ref = plain(x).float()
@@ -43,8 +44,11 @@ def test_an_int8_layer_is_close_to_its_original_and_the_same_bits_per_row_at_any
 
 
 def test_a_model_in_bfloat16_is_quantised_except_layers_the_kernel_cannot_take():
-    model = Transformer(ModelArgs(dim=72, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=256,
-                                  max_seq_len=32, rope_theta=10000.0)).to(torch.bfloat16)
+    model = Transformer(
+        ModelArgs(
+            dim=72, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=256, max_seq_len=32, rope_theta=10000.0
+        )
+    ).to(torch.bfloat16)
     swapped = quantize_linear_weights(model)
     kinds = {name: type(m).__name__ for name, m in model.named_modules() if "Linear" in type(m).__name__}
     # dim 72 is not a multiple of 16: layers reducing over it stay bf16; w2 reduces over ffn_dim 160.
@@ -75,8 +79,11 @@ def test_a_float32_cache_holds_a_bf16_models_keys_and_values_exactly(tokenizer):
         out = []
         with torch.no_grad():
             for row, seq in enumerate(seqs):
-                view = type("Row", (), {"max_len": 64, "layer": lambda self, i, r=row: (cache.k[i][r:r + 1],
-                                                                                       cache.v[i][r:r + 1])})()
+                view = type(
+                    "Row",
+                    (),
+                    {"max_len": 64, "layer": lambda self, i, r=row: (cache.k[i][r : r + 1], cache.v[i][r : r + 1])},
+                )()
                 out.append(model(seq[None, :-1], view, start_pos=0)[0, -1])
             last = torch.stack([seq[-1] for seq in seqs])[:, None]
             out.append(model(last, cache, positions_B=torch.tensor([len(s) - 1 for s in seqs]))[:, 0])
@@ -84,8 +91,11 @@ def test_a_float32_cache_holds_a_bf16_models_keys_and_values_exactly(tokenizer):
 
     assert all(torch.equal(a, b) for a, b in zip(logits(torch.float32), logits(torch.bfloat16)))
     engine = Engine(model, tokenizer, slots=2, max_queue=0)
-    assert engine.cache.k[0].dtype == torch.float32 and engine.kv_cache_bytes == 4 * 2 * ARGS.n_layers * (
-        2 + 1) * ARGS.n_kv_heads * ARGS.max_seq_len * ARGS.head_dim  # k and v, 2 slots and the chunk row
+    assert (
+        engine.cache.k[0].dtype == torch.float32
+        and engine.kv_cache_bytes
+        == 4 * 2 * ARGS.n_layers * (2 + 1) * ARGS.n_kv_heads * ARGS.max_seq_len * ARGS.head_dim
+    )  # k and v, 2 slots and the chunk row
 
 
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])
@@ -97,14 +107,21 @@ def test_greedy_tokens_are_the_same_alone_and_in_a_busy_batch(corpus, weights):
     model = Transformer(ARGS).to(torch.bfloat16).eval()
     if weights == "int8":
         assert quantize_linear_weights(model) == 2 * 7 + 1  # every layer: 7 per block and the output head
-    requests = [([0] + tokenizer.encode(f"ROMEO: line {i} " + "o " * i).ids,
-                 SamplingOptions(temperature=0, max_tokens=12 + 6 * i)) for i in range(5)]
+    requests = [
+        (
+            [0] + tokenizer.encode(f"ROMEO: line {i} " + "o " * i).ids,
+            SamplingOptions(temperature=0, max_tokens=12 + 6 * i),
+        )
+        for i in range(5)
+    ]
 
     def run(slots):
         engine = Engine(model, tokenizer, slots=slots, max_queue=len(requests))
         if not engine.sized_steps:  # measured at start: oneDNN's bf16 rows vary with the batch on this CPU
-            pytest.skip(f"this CPU's {weights} products are not row-invariant (no bf16 units), so the engine "
-                        "runs full-shape steps and promises no alone-or-busy equality")
+            pytest.skip(
+                f"this CPU's {weights} products are not row-invariant (no bf16 units), so the engine "
+                "runs full-shape steps and promises no alone-or-busy equality"
+            )
         engine.start()
         try:
             streams = [engine.submit(ids, options, top_logprobs=1) for ids, options in requests]
@@ -119,8 +136,23 @@ def test_greedy_tokens_are_the_same_alone_and_in_a_busy_batch(corpus, weights):
 def test_serve_quantize_int8_serves_and_refuses_what_it_cannot(served_run, tmp_path):
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "phalanx", "serve", str(served_run), "--port", "0",
-                                 "--quantize", "int8", "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "phalanx",
+                "serve",
+                str(served_run),
+                "--port",
+                "0",
+                "--quantize",
+                "int8",
+                "--log-level",
+                "warning",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 120
         while not (found := re.search(r"listening on (http://\S+)", log.read_text())):
@@ -128,8 +160,16 @@ def test_serve_quantize_int8_serves_and_refuses_what_it_cannot(served_run, tmp_p
             time.sleep(0.1)
         wait_healthy(found.group(1), proc, log)
         assert "torch.bfloat16, int8 weights, cpu" in log.read_text()
-        reply = httpx.post(f"{found.group(1)}/api/generate", timeout=60, json={
-            "model": served_run.name, "prompt": "ROMEO:", "stream": False, "options": {"temperature": 0, "num_predict": 8}})
+        reply = httpx.post(
+            f"{found.group(1)}/api/generate",
+            timeout=60,
+            json={
+                "model": served_run.name,
+                "prompt": "ROMEO:",
+                "stream": False,
+                "options": {"temperature": 0, "num_predict": 8},
+            },
+        )
         assert reply.status_code == 200 and reply.json()["eval_count"] >= 1
     finally:
         proc.terminate()

@@ -43,8 +43,7 @@ def test_hidden_states_are_what_the_output_projection_reads(reference):
         assert torch.allclose(model.output(model.hidden_states(tokens)), model(tokens), atol=1e-5)
         # Causal: right padding changes no earlier position (what lets inputs share a forward).
         padded = torch.cat([tokens, torch.zeros(1, 7, dtype=torch.long)], dim=1)
-        assert torch.allclose(model.hidden_states(padded)[:, :tokens.shape[1]], model.hidden_states(tokens),
-                              atol=1e-5)
+        assert torch.allclose(model.hidden_states(padded)[:, : tokens.shape[1]], model.hidden_states(tokens), atol=1e-5)
 
 
 def test_ollama_embed_matches_the_definition(oll, reference):
@@ -128,8 +127,13 @@ def test_openai_client_and_raw_requests(oai, server, reference):
 
 def test_embeddings_leave_concurrent_generation_alone(server, oll):
     """Embedding batches run while a greedy generation decodes: its tokens are the ones it gets alone."""
-    body = {"model": MODEL, "prompt": "JULIET:", "raw": True, "stream": False,
-            "options": {"temperature": 0, "num_predict": 40, "presence_penalty": 1.0, "repeat_penalty": 1.0}}
+    body = {
+        "model": MODEL,
+        "prompt": "JULIET:",
+        "raw": True,
+        "stream": False,
+        "options": {"temperature": 0, "num_predict": 40, "presence_penalty": 1.0, "repeat_penalty": 1.0},
+    }
     with server.client() as http:
         alone = http.post("/api/generate", json=body).json()["response"]
         results: list[str] = []

@@ -10,12 +10,13 @@ import torch
 
 from phalanx.models.llama import KVCache, ModelArgs, Transformer
 from phalanx.serve.core.contract import PromptTooLong, QueueFull
-from phalanx.serve.engines.torch_engine import Engine
 from phalanx.serve.core.options import InvalidOptions, SamplingOptions
+from phalanx.serve.engines.torch_engine import Engine
 
 # Random weights: every context gives its own argmax, so any bit a neighbour changed would show.
-ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=192, vocab_size=512, max_seq_len=160,
-                 rope_theta=10000.0)
+ARGS = ModelArgs(
+    dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=192, vocab_size=512, max_seq_len=160, rope_theta=10000.0
+)
 
 
 def engine(model, tokenizer, **kwargs) -> Engine:
@@ -76,8 +77,11 @@ def test_batched_decode_matches_the_plain_forward(model):
     cache = KVCache(ARGS, len(seqs), 64)
     with torch.no_grad():
         for row, seq in enumerate(seqs):  # prefill each row alone, as the engine does
-            view = type("Row", (), {"max_len": 64, "layer": lambda self, i, r=row: (cache.k[i][r:r + 1],
-                                                                                   cache.v[i][r:r + 1])})()
+            view = type(
+                "Row",
+                (),
+                {"max_len": 64, "layer": lambda self, i, r=row: (cache.k[i][r : r + 1], cache.v[i][r : r + 1])},
+            )()
             model(seq[None, :-1], view, start_pos=0)
         last = torch.stack([seq[-1] for seq in seqs])[:, None]
         batched = model(last, cache, positions_B=torch.tensor(lengths))[:, 0]
@@ -139,7 +143,7 @@ def test_stop_string_ends_generation_and_is_not_returned(model, tokenizer):
         stop = full[12:15]
         assert len(stop) == 3
         stream = e.submit(prompt, SamplingOptions(temperature=0, max_tokens=40, stop=(stop,)))
-        assert stream.text() == full[:full.index(stop)]
+        assert stream.text() == full[: full.index(stop)]
         assert stream.finish.reason == "stop"
     finally:
         e.stop()
@@ -148,6 +152,7 @@ def test_stop_string_ends_generation_and_is_not_returned(model, tokenizer):
 def test_seeded_sampling_repeats_and_seeds_differ(model, tokenizer):
     e = engine(model, tokenizer, slots=3)
     try:
+
         def sample(seed):
             return e.submit([0, 42], SamplingOptions(temperature=1.0, seed=seed, max_tokens=20, ignore_eos=True)).text()
 
@@ -157,9 +162,20 @@ def test_seeded_sampling_repeats_and_seeds_differ(model, tokenizer):
         e.stop()
 
 
-@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 1.5}, {"min_p": -0.1}, {"top_k": -1},
-                                 {"repeat_penalty": 0}, {"repeat_last_n": -2}, {"max_tokens": -1},
-                                 {"stop": ("",)}, {"presence_penalty": 3}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -1},
+        {"top_p": 1.5},
+        {"min_p": -0.1},
+        {"top_k": -1},
+        {"repeat_penalty": 0},
+        {"repeat_last_n": -2},
+        {"max_tokens": -1},
+        {"stop": ("",)},
+        {"presence_penalty": 3},
+    ],
+)
 def test_options_out_of_range_are_refused(bad):
     with pytest.raises(InvalidOptions):
         SamplingOptions(**bad)
@@ -168,8 +184,9 @@ def test_options_out_of_range_are_refused(bad):
 def test_a_rows_logits_never_depend_on_its_neighbours_or_its_row():
     """What the engine's promise rests on, bit for bit: one sequence decoded in row 0 of an idle batch
     and in row 11 of a batch of other sequences at other lengths gives identical logits."""
-    args = ModelArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=512, vocab_size=512, max_seq_len=256,
-                     rope_theta=10000.0)
+    args = ModelArgs(
+        dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=512, vocab_size=512, max_seq_len=256, rope_theta=10000.0
+    )
     torch.manual_seed(0)
     net = Transformer(args).eval()
     seq = torch.randint(0, args.vocab_size, (40,))
@@ -185,8 +202,14 @@ def test_a_rows_logits_never_depend_on_its_neighbours_or_its_row():
                 v.normal_(generator=gen)
             tokens = torch.randint(0, args.vocab_size, (slots, 1), generator=gen)
             positions = torch.randint(0, args.max_seq_len, (slots,), generator=gen)
-        view = type("Row", (), {"max_len": args.max_seq_len,
-                                "layer": lambda self, i: (cache.k[i][row:row + 1], cache.v[i][row:row + 1])})()
+        view = type(
+            "Row",
+            (),
+            {
+                "max_len": args.max_seq_len,
+                "layer": lambda self, i: (cache.k[i][row : row + 1], cache.v[i][row : row + 1]),
+            },
+        )()
         with torch.no_grad():
             net(seq[None, :-1], view, start_pos=0)
             tokens[row, 0], positions[row] = seq[-1], len(seq) - 1

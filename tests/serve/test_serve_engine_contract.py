@@ -20,22 +20,45 @@ from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine
 from phalanx.serve.engines.torch_engine import Engine
 from phalanx.serve.engines.vllm_engine import VllmEngine
 
-ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=384, max_seq_len=64,
-                 rope_theta=10000.0)  # the conftest's model and tokenizer fixtures read this
+ARGS = ModelArgs(
+    dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=384, max_seq_len=64, rope_theta=10000.0
+)  # the conftest's model and tokenizer fixtures read this
 
 
 def members(protocol: type) -> set[str]:
     """A Protocol's attributes and methods (what a class must have to implement it)."""
     names = set(protocol.__dict__.get("__annotations__", {}))
-    return names | {n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or
-                                                                                        isinstance(v, property))}
+    return names | {
+        n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    }
 
 
 def test_the_protocols_name_what_the_callers_and_the_scheduler_use():
-    assert {"submit", "start", "stop", "active", "waiting", "alive", "slots", "max_queue", "context",
-            "vocabulary", "device", "kv_cache_bytes", "observer"} <= members(ServingEngine)
-    assert {"join_all", "step", "release", "boundary_tokens", "run_thread", "thread_ends", "logprob_entry",
-            "prefill_budget"} <= members(EngineSteps)
+    assert {
+        "submit",
+        "start",
+        "stop",
+        "active",
+        "waiting",
+        "alive",
+        "slots",
+        "max_queue",
+        "context",
+        "vocabulary",
+        "device",
+        "kv_cache_bytes",
+        "observer",
+    } <= members(ServingEngine)
+    assert {
+        "join_all",
+        "step",
+        "release",
+        "boundary_tokens",
+        "run_thread",
+        "thread_ends",
+        "logprob_entry",
+        "prefill_budget",
+    } <= members(EngineSteps)
 
 
 @pytest.mark.parametrize("engine_class", [Engine, LlamaCppEngine, VllmEngine])
@@ -79,8 +102,7 @@ class EchoEngine(ScheduledEngine):
         self.tokenizer, self.slots, self.max_queue, self.context = tokenizer, slots, max_queue, 64
         self.vocabulary = TokenVocabulary(tokenizer, 1, tokenizer.get_vocab_size())
         self.observer, self.device, self.steps_run = None, "cpu", 0
-        self.scheduler = SlotScheduler(self, "echo-engine", slots, max_queue, self.context, 1, self.vocabulary,
-                                       None)
+        self.scheduler = SlotScheduler(self, "echo-engine", slots, max_queue, self.context, 1, self.vocabulary, None)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 from serve_helpers import MODEL, InProcessServer
+
 from tests.helpers import phalanx
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "options": {"num_predict": 3}}
@@ -52,8 +53,9 @@ def test_malformed_json(http):
 def test_wrong_types(http):
     message = ollama_error(http.post("/api/chat", json={**CHAT, "messages": "Hi"}), 400)
     assert message.startswith("invalid 'messages'")
-    message = ollama_error(http.post("/api/generate", json={"model": MODEL, "prompt": "x",
-                                                            "options": {"temperature": "hot"}}), 400)
+    message = ollama_error(
+        http.post("/api/generate", json={"model": MODEL, "prompt": "x", "options": {"temperature": "hot"}}), 400
+    )
     assert message == "invalid 'options.temperature': Input should be a valid number"
     error = openai_error(http.post("/v1/chat/completions", json={**OAI_CHAT, "max_tokens": "3"}), 400)
     assert error["param"] == "max_tokens" and "valid integer" in error["message"]
@@ -117,8 +119,9 @@ def test_prompt_beyond_the_context_is_refused_not_truncated(http):
     long = "wherefore art thou Romeo " * 800
     message = ollama_error(http.post("/api/generate", json={"model": MODEL, "prompt": long, "raw": True}), 400)
     assert "context holds 1024" in message and "shorten" in message
-    error = openai_error(http.post("/v1/chat/completions", json={**OAI_CHAT, "messages": [
-        {"role": "user", "content": long}]}), 400)
+    error = openai_error(
+        http.post("/v1/chat/completions", json={**OAI_CHAT, "messages": [{"role": "user", "content": long}]}), 400
+    )
     assert error["code"] == "context_length_exceeded"
 
 
@@ -129,8 +132,13 @@ def test_generation_is_capped_at_the_context(http, served_run):
     words = "But soft what light through yonder window breaks "
     per_copy = len(tokenizer.encode(words).ids)
     prompt = words * (1000 // per_copy)
-    body = {"model": MODEL, "prompt": prompt, "raw": True, "stream": False,
-            "options": {"temperature": 0, "num_predict": 500}}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "raw": True,
+        "stream": False,
+        "options": {"temperature": 0, "num_predict": 500},
+    }
     done = http.post("/api/generate", json=body).json()
     assert done["prompt_eval_count"] > 900
     assert done["done_reason"] == "length" and done["eval_count"] == 1024 - done["prompt_eval_count"]

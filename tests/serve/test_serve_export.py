@@ -14,8 +14,12 @@ def test_export_dir_serves_the_same_replies_as_its_run(served_run, server, tmp_p
     export = tmp_path / "hf"
     export.mkdir()
     write_hf_export(load_model(served_run), export)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Who is there?"}], "stream": False,
-            "options": {"temperature": 0, "presence_penalty": 1.0, "num_predict": 12}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Who is there?"}],
+        "stream": False,
+        "options": {"temperature": 0, "presence_penalty": 1.0, "num_predict": 12},
+    }
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as http:
         from_run = http.post("/api/chat", json=body).json()
     with InProcessServer(export, slots=8, max_queue=4) as live, live.client() as http:  # 8 slots, as `server`

@@ -21,11 +21,10 @@ from serve_helpers import API_KEY, MODEL, InProcessServer
 
 from phalanx.http_auth import FailedAuthLimiter, bearer_token, client_key
 from phalanx.models.llama import ModelArgs, Transformer
-from phalanx.serve.engines.torch_engine import Engine
 from phalanx.serve.core.options import InvalidOptions, SamplingOptions
+from phalanx.serve.engines.torch_engine import Engine
 
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": False,
-        "options": {"num_predict": 3}}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": False, "options": {"num_predict": 3}}
 OAI_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 # The five ways to generate: Ollama's two (generate templated and raw), OpenAI's two, Ollama's chat.
 GENERATION = [
@@ -52,20 +51,25 @@ def still_serving(http: httpx.Client) -> None:
 
 # ---- 2. one request cannot stop the engine thread -----------------------------------------------------
 
-@pytest.mark.parametrize("path, body, option", [
-    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"seed": 2**64}}, "options.seed"),
-    ("/v1/chat/completions", {**OAI_CHAT, "seed": 2**64}, "seed"),
-    ("/api/chat", {**CHAT, "options": {"repeat_last_n": 2**63}}, "options.repeat_last_n"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -(2**63) - 1}, "top_k"),
-])
+
+@pytest.mark.parametrize(
+    "path, body, option",
+    [
+        ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"seed": 2**64}}, "options.seed"),
+        ("/v1/chat/completions", {**OAI_CHAT, "seed": 2**64}, "seed"),
+        ("/api/chat", {**CHAT, "options": {"repeat_last_n": 2**63}}, "options.repeat_last_n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -(2**63) - 1}, "top_k"),
+    ],
+)
 def test_out_of_range_integers_are_400_and_the_engine_lives_on(http, path, body, option):
     assert option in error_text(http.post(path, json=body), 400)
     still_serving(http)
 
 
 # Random weights and the test corpus's tokenizer: the engine alone, without HTTP.
-ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=384, max_seq_len=128,
-                 rope_theta=10000.0)
+ARGS = ModelArgs(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=384, max_seq_len=128, rope_theta=10000.0
+)
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +157,16 @@ def test_both_draws_refuse_a_broken_distribution_and_agree_on_a_good_one():
 
 
 def test_options_refuse_non_finite_and_absurd_values():
-    for bad in ({"temperature": float("inf")}, {"temperature": 2.14e-38}, {"temperature": 1e-300},
-                {"temperature": 1e6}, {"repeat_penalty": float("inf")}, {"repeat_penalty": 1e-300},
-                {"top_p": float("nan")}, {"seed": 2**64}):
+    for bad in (
+        {"temperature": float("inf")},
+        {"temperature": 2.14e-38},
+        {"temperature": 1e-300},
+        {"temperature": 1e6},
+        {"repeat_penalty": float("inf")},
+        {"repeat_penalty": 1e-300},
+        {"top_p": float("nan")},
+        {"seed": 2**64},
+    ):
         with pytest.raises(InvalidOptions):
             SamplingOptions(**bad)
     SamplingOptions(temperature=0.001, repeat_penalty=0.5, seed=2**64 - 1)  # the edges are fine
@@ -164,27 +175,46 @@ def test_options_refuse_non_finite_and_absurd_values():
 def test_a_tiny_temperature_that_passed_validation_cannot_overflow_the_distribution(engine):
     # A float32 denormal: the tempered logits overflowed to inf and NaN; shifted by their maximum first,
     # the likeliest token simply wins.
-    stream = engine.submit([0, 5, 6], unchecked(SamplingOptions(temperature=0.5, max_tokens=5, ignore_eos=True),
-                                                temperature=1e-42))
+    stream = engine.submit(
+        [0, 5, 6], unchecked(SamplingOptions(temperature=0.5, max_tokens=5, ignore_eos=True), temperature=1e-42)
+    )
     greedy = text_of(engine.submit([0, 5, 6], SamplingOptions(temperature=0, max_tokens=5, ignore_eos=True)))
     assert text_of(stream) == greedy and stream.finish.reason == "length"
 
 
 # ---- 3. and 4. non-finite numbers, surrogates, deep nesting: 400, not 500 ----------------------------
 
-@pytest.mark.parametrize("path, raw, needle", [
-    ("/api/chat", b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], '
-                  b'"options": {"temperature": 2.14e-38}}', "temperature"),
-    ("/api/generate", b'{"model": "tiny-test", "prompt": "x", "options": {"temperature": 1e-300}}', "temperature"),
-    ("/api/generate", b'{"model": "tiny-test", "prompt": "x", "options": {"temperature": 1e309}}', "finite"),
-    ("/api/chat", b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], '
-                  b'"options": {"repeat_penalty": 1e309}}', "finite"),
-    ("/v1/chat/completions", b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], '
-                             b'"temperature": 1e309}', "finite"),
-    ("/v1/chat/completions", b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], '
-                             b'"temperature": 2.5}', "less than or equal to 2"),
-    ("/v1/completions", b'{"model": "tiny-test", "prompt": "x", "temperature": 1e-300}', "temperature"),
-])
+
+@pytest.mark.parametrize(
+    "path, raw, needle",
+    [
+        (
+            "/api/chat",
+            b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], '
+            b'"options": {"temperature": 2.14e-38}}',
+            "temperature",
+        ),
+        ("/api/generate", b'{"model": "tiny-test", "prompt": "x", "options": {"temperature": 1e-300}}', "temperature"),
+        ("/api/generate", b'{"model": "tiny-test", "prompt": "x", "options": {"temperature": 1e309}}', "finite"),
+        (
+            "/api/chat",
+            b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], '
+            b'"options": {"repeat_penalty": 1e309}}',
+            "finite",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "temperature": 1e309}',
+            "finite",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "temperature": 2.5}',
+            "less than or equal to 2",
+        ),
+        ("/v1/completions", b'{"model": "tiny-test", "prompt": "x", "temperature": 1e-300}', "temperature"),
+    ],
+)
 def test_non_finite_and_absurd_numbers_are_400(http, path, raw, needle):
     assert needle in error_text(http.post(path, content=raw, headers={"Content-Type": "application/json"}), 400)
 
@@ -199,8 +229,10 @@ def test_a_lone_surrogate_anywhere_is_400_and_pairs_are_fine(http):
     body = b'{"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "options": {"stop": ["\\udfff"]}}'
     assert "lone surrogate" in error_text(http.post("/api/chat", content=body), 400)
     assert "lone surrogate" in error_text(http.post("/api/show", content=b'{"model": "\\ud800"}'), 400)
-    paired = b'{"model": "tiny-test", "prompt": "a \\ud83d\\ude00 b", "raw": true, "stream": false, ' \
-             b'"options": {"num_predict": 2}}'
+    paired = (
+        b'{"model": "tiny-test", "prompt": "a \\ud83d\\ude00 b", "raw": true, "stream": false, '
+        b'"options": {"num_predict": 2}}'
+    )
     assert http.post("/api/generate", content=paired).status_code == 200
 
 
@@ -238,8 +270,10 @@ def raw_exchange(url: str, request: bytes, timeout: float) -> tuple[bytes, float
 def test_a_body_shorter_than_its_content_length_is_408_and_the_connection_closed(served_run):
     with InProcessServer(served_run, slots=1, max_queue=0, body_timeout=1.0) as live:
         port = live.url.rsplit(":", 1)[1]
-        request = (f"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: 100\r\n\r\n").encode() + b'{"model": '
+        request = (
+            f"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: 100\r\n\r\n"
+        ).encode() + b'{"model": '
         reply, seconds = raw_exchange(live.url, request, timeout=10)
         assert reply.startswith(b"HTTP/1.1 408 "), reply
         assert b"did not arrive within 1 s" in reply and 0.9 < seconds < 5
@@ -248,6 +282,7 @@ def test_a_body_shorter_than_its_content_length_is_408_and_the_connection_closed
 
 
 # ---- 5. web pages: Host, Origin, Content-Type ---------------------------------------------------------
+
 
 def test_foreign_host_names_are_refused(server, http):
     port = server.url.rsplit(":", 1)[1]
@@ -271,16 +306,22 @@ def test_foreign_origins_are_refused_without_cors_grants(server, http):
         response = http.post("/api/chat", json=CHAT, headers={"Origin": origin})
         assert "cross-origin" in error_text(response, 403)
         assert not any(h.startswith("access-control-") for h in response.headers)
-    preflight = http.options("/v1/chat/completions", headers={
-        "Origin": "https://attacker.example", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
+    preflight = http.options(
+        "/v1/chat/completions",
+        headers={
+            "Origin": "https://attacker.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     assert preflight.status_code == 403 and "access-control-allow-origin" not in preflight.headers
     # The server's own origin (the same host and port as Host) is not foreign.
     assert http.post("/api/chat", json=CHAT, headers={"Origin": server.url}).status_code == 200
 
 
-@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x",
-                                  "application/jsonx"])
+@pytest.mark.parametrize(
+    "kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x", "application/jsonx"]
+)
 @pytest.mark.parametrize("browser", ["own origin", "cookie"])
 def test_json_endpoints_refuse_the_types_a_page_may_send_freely(http, server, kind, browser):
     """What a browser sends (an Origin, a cookie) must be JSON typed as JSON: a page may post the other
@@ -288,8 +329,9 @@ def test_json_endpoints_refuse_the_types_a_page_may_send_freely(http, server, ki
     marks = {"Origin": server.url} if browser == "own origin" else {"Cookie": "session=x"}
     response = http.post("/api/chat", content=json.dumps(CHAT), headers={"Content-Type": kind, **marks})
     assert "Content-Type: application/json" in error_text(response, 415)
-    response = http.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "x"}),
-                         headers={"Content-Type": kind, **marks})
+    response = http.post(
+        "/v1/completions", content=json.dumps({"model": MODEL, "prompt": "x"}), headers={"Content-Type": kind, **marks}
+    )
     assert response.status_code == 415 and response.json()["error"]["code"] == "unsupported_media_type"
 
 
@@ -297,11 +339,25 @@ def test_curl_as_ollamas_documentation_calls_it_is_answered(server):
     """`curl URL/api/generate -d '{...}'`: curl types the body application/x-www-form-urlencoded."""
     import subprocess
 
-    body = json.dumps({"model": MODEL, "prompt": "Why is the sky blue?", "stream": False,
-                       "options": {"num_predict": 4}})
-    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", f"{server.url}/api/generate", "-d", body,
-                          "-H", f"Authorization: Bearer {server.api_key}"], capture_output=True, text=True,
-                         timeout=60).stdout
+    body = json.dumps(
+        {"model": MODEL, "prompt": "Why is the sky blue?", "stream": False, "options": {"num_predict": 4}}
+    )
+    out = subprocess.run(
+        [
+            "curl",
+            "-s",
+            "-w",
+            "\n%{http_code}",
+            f"{server.url}/api/generate",
+            "-d",
+            body,
+            "-H",
+            f"Authorization: Bearer {server.api_key}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     reply, status = out.rsplit("\n", 1)
     assert status == "200", reply
     assert json.loads(reply)["done"] is True
@@ -309,19 +365,29 @@ def test_curl_as_ollamas_documentation_calls_it_is_answered(server):
 
 def test_json_with_a_charset_or_no_type_is_fine(http):
     body = json.dumps(CHAT)
-    assert http.post("/api/chat", content=body, headers={"Content-Type": "application/json; charset=utf-8"}
-                     ).status_code == 200
+    assert (
+        http.post("/api/chat", content=body, headers={"Content-Type": "application/json; charset=utf-8"}).status_code
+        == 200
+    )
     assert http.post("/api/chat", content=body).status_code == 200  # httpx sends no type for raw content
 
 
 # ---- 7. API keys: length, one bearer parser, rate-limited failures -------------------------------------
 
-@pytest.mark.parametrize("args, env", [(["--api-key", "short-key"], {}), (["--host", "0.0.0.0"], {"PHALANX_API_KEY": "k"})])
+
+@pytest.mark.parametrize(
+    "args, env", [(["--api-key", "short-key"], {}), (["--host", "0.0.0.0"], {"PHALANX_API_KEY": "k"})]
+)
 def test_serve_refuses_a_short_api_key(served_run, args, env):
     # Before the fix both started serving (the test then times out): the key is checked before anything.
-    proc = subprocess.run([sys.executable, "-m", "phalanx", "serve", str(served_run), "--port", "0", *args],
-                          check=False, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env})
+    proc = subprocess.run(
+        [sys.executable, "-m", "phalanx", "serve", str(served_run), "--port", "0", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
     assert proc.returncode == 2 and "at least 16 characters" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -343,8 +409,10 @@ def test_failed_api_keys_are_rate_limited_per_client(served_run):
         with httpx.Client(base_url=live.url) as client:
             assert client.get("/api/tags").status_code == 401  # no key sent: nothing guessed, not counted
             # A new X-Forwarded-For on every try is still the same client (no proxy is trusted by default).
-            statuses = [client.get("/api/tags", headers={**wrong, "X-Forwarded-For": f"198.51.100.{i}"}).status_code
-                        for i in range(10)]
+            statuses = [
+                client.get("/api/tags", headers={**wrong, "X-Forwarded-For": f"198.51.100.{i}"}).status_code
+                for i in range(10)
+            ]
             assert statuses == [401] * 10
             limited = client.get("/v1/models", headers={**wrong, "X-Forwarded-For": "198.51.100.99"})
             assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
@@ -376,7 +444,8 @@ def test_official_clients_pass_the_guard(server):
     import openai
 
     reply = ollama.Client(host=server.url, headers=server.headers).chat(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 2})
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 2}
+    )
     assert reply.done
     oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
     assert oai.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].finish_reason
@@ -384,8 +453,9 @@ def test_official_clients_pass_the_guard(server):
 
 def test_concurrent_hostile_requests_leave_the_others_alone(server, http):
     """Good and hostile requests at once: every good one gets its reply."""
-    hostile = [(p, {"model": MODEL, "prompt": "x", "options": {"seed": 2**64}}) for p in ["/api/generate"] * 4] + \
-              [("/api/chat", {**CHAT, "options": {"temperature": 1e-300}})] * 4
+    hostile = [(p, {"model": MODEL, "prompt": "x", "options": {"seed": 2**64}}) for p in ["/api/generate"] * 4] + [
+        ("/api/chat", {**CHAT, "options": {"temperature": 1e-300}})
+    ] * 4
     good = [("/api/chat", {**CHAT, "options": {"num_predict": 6, "seed": i}}) for i in range(6)]
 
     def send(item):
@@ -410,9 +480,11 @@ def test_health_answers_at_once_while_six_huge_prompts_tokenize(server, corpus):
 
     def huge(i: int) -> int:
         with server.client() as client:
-            path, body = (("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1}) if i % 2 else
-                          ("/api/chat", {"model": MODEL, "stream": False,
-                                         "messages": [{"role": "user", "content": text}]}))
+            path, body = (
+                ("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
+                if i % 2
+                else ("/api/chat", {"model": MODEL, "stream": False, "messages": [{"role": "user", "content": text}]})
+            )
             return client.post(path, json=body).status_code
 
     def probe() -> None:

@@ -22,6 +22,7 @@ def ref_chain(n: int, depth: int = 0, root: str = "#") -> dict:
     """n definitions, each `depth` objects deep around a `$ref` to the next: the resolved schema nests
     n * depth objects and n refs while the document itself nests at most depth + 3 levels. `root`: the
     pointer to where this schema sits in the document the server compiles."""
+
     def nest(inner: dict) -> dict:
         for _ in range(depth):
             inner = {"type": "object", "properties": {"a": inner}, "required": ["a"]}
@@ -33,8 +34,7 @@ def ref_chain(n: int, depth: int = 0, root: str = "#") -> dict:
 
 
 HOSTILE = {"2500 refs": (2500, 0), "80 refs 20 deep": (80, 20)}
-SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-         "additionalProperties": False}
+SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 
 
 def routes(schema: dict, tool_schema: dict | None = None) -> dict[str, tuple[str, dict]]:
@@ -43,13 +43,23 @@ def routes(schema: dict, tool_schema: dict | None = None) -> dict[str, tuple[str
     messages = [{"role": "user", "content": "go"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": tool_schema or schema}}
     return {
-        "openai response_format": ("/v1/chat/completions", {
-            "model": MODEL, "messages": messages, "max_tokens": 32,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
-        "ollama format": ("/api/chat", {"model": MODEL, "messages": messages, "stream": False, "format": schema,
-                                        "options": {"num_predict": 32}}),
-        "openai forced tool call": ("/v1/chat/completions", {
-            "model": MODEL, "messages": messages, "max_tokens": 32, "tools": [tool], "tool_choice": "required"}),
+        "openai response_format": (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": messages,
+                "max_tokens": 32,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            },
+        ),
+        "ollama format": (
+            "/api/chat",
+            {"model": MODEL, "messages": messages, "stream": False, "format": schema, "options": {"num_predict": 32}},
+        ),
+        "openai forced tool call": (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": messages, "max_tokens": 32, "tools": [tool], "tool_choice": "required"},
+        ),
     }
 
 
@@ -87,8 +97,10 @@ def test_a_schema_asking_for_a_special_tokens_text_is_400(http):
 # -- the compiler itself: its budgets, with a tokenizer of the shared served run -------------------------
 def heavy_schema(n: int = 3000) -> dict:
     """About 0.5-1 s to compile on these machines: over a 0.05 s budget, well under the default."""
-    return {"type": "object", "properties": {f"p{i}": {"anyOf": [{"type": "string"}, {"type": "integer"}]}
-                                             for i in range(n)}}
+    return {
+        "type": "object",
+        "properties": {f"p{i}": {"anyOf": [{"type": "string"}, {"type": "integer"}]} for i in range(n)},
+    }
 
 
 @pytest.fixture

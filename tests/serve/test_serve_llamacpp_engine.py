@@ -23,9 +23,9 @@ from phalanx.export.gguf_export import write_gguf
 from phalanx.models.llama import Transformer
 from phalanx.run.model_loader import LoadedModel, load_model
 from phalanx.serve.core.contract import PromptTooLong, QueueFull
-from phalanx.serve.engines.torch_engine import Engine
-from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine
 from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine
+from phalanx.serve.engines.torch_engine import Engine
 
 pytestmark = pytest.mark.slow  # needs llama-cpp-python (the whole suite's install)
 
@@ -92,8 +92,14 @@ def llama_cpp_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
 
     llama_cpp.llama.llama_cpp.llama_model_default_params = plain_buffers
     try:
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False,
-                              type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+        llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=256,
+            n_threads=1,
+            verbose=False,
+            type_k=llama_cpp.GGML_TYPE_F32,
+            type_v=llama_cpp.GGML_TYPE_F32,
+        )
     finally:
         llama_cpp.llama.llama_cpp.llama_model_default_params = default
     try:
@@ -143,8 +149,10 @@ def test_tokens_match_the_torch_engine(models, tokenizer, name):
         for text in PROMPTS:
             prompt = ids(tokenizer, text)
             taken = {}
-            for kind, options in (("greedy", greedy(n)),
-                                  ("sampled", SamplingOptions(**SAMPLED, max_tokens=n, ignore_eos=True))):
+            for kind, options in (
+                ("greedy", greedy(n)),
+                ("sampled", SamplingOptions(**SAMPLED, max_tokens=n, ignore_eos=True)),
+            ):
                 _, theirs, _ = run(torch_engine, prompt, options)
                 _, taken[kind], _ = run(ours, prompt, options)
                 agree[kind] += next((i for i, (a, b) in enumerate(zip(taken[kind], theirs)) if a != b), n)
@@ -156,13 +164,19 @@ def test_tokens_match_the_torch_engine(models, tokenizer, name):
         ours.stop()
         torch_engine.stop()
     total = n * len(PROMPTS)
-    print(f"llama.cpp engine vs torch engine, {name} f32, {len(PROMPTS)} prompts x {n} tokens, tokens that agree up "
-          f"to the first difference: greedy {agree['greedy']} of {total}, seeded sampling {agree['sampled']} of "
-          f"{total}")
+    print(
+        f"llama.cpp engine vs torch engine, {name} f32, {len(PROMPTS)} prompts x {n} tokens, tokens that agree up "
+        f"to the first difference: greedy {agree['greedy']} of {total}, seeded sampling {agree['sampled']} of "
+        f"{total}"
+    )
     assert agree["greedy"] >= 0.9 * total and agree["sampled"] >= 0.9 * total and differs
     (text, taken, finish), (torch_text, torch_taken, torch_finish) = ended
     assert (text, taken, finish.reason, finish.completion_tokens) == (
-        torch_text, torch_taken, torch_finish.reason, torch_finish.completion_tokens)
+        torch_text,
+        torch_taken,
+        torch_finish.reason,
+        torch_finish.completion_tokens,
+    )
     if name == "random":
         assert finish.reason == "stop" and finish.completion_tokens < 40
 
@@ -172,11 +186,15 @@ def mixed(tokenizer) -> list[tuple[list[int], SamplingOptions]]:
     long_prompt = ids(tokenizer, "ROMEO: " + "wherefore art thou Romeo, " * 12)
     return [
         (ids(tokenizer, PROMPTS[0]), greedy(40)),
-        (ids(tokenizer, PROMPTS[1]), SamplingOptions(temperature=0.9, top_k=40, top_p=0.95, seed=7, max_tokens=30,
-                                                     ignore_eos=True)),
+        (
+            ids(tokenizer, PROMPTS[1]),
+            SamplingOptions(temperature=0.9, top_k=40, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True),
+        ),
         (long_prompt, greedy(20)),
-        (ids(tokenizer, PROMPTS[3]), SamplingOptions(temperature=0, repeat_penalty=1.3, repeat_last_n=16,
-                                                     max_tokens=36, ignore_eos=True)),
+        (
+            ids(tokenizer, PROMPTS[3]),
+            SamplingOptions(temperature=0, repeat_penalty=1.3, repeat_last_n=16, max_tokens=36, ignore_eos=True),
+        ),
         (ids(tokenizer, PROMPTS[2]), greedy(12)),
     ]
 
@@ -208,7 +226,8 @@ def test_tokens_are_the_same_alone_and_with_others(models, tokenizer, unified_kv
         engine.stop()
     assert len({text for text, _, _ in alone}) == len(requests)
     assert [(text, taken, f.reason) for text, taken, f in together] == [
-        (text, taken, f.reason) for text, taken, f in alone]
+        (text, taken, f.reason) for text, taken, f in alone
+    ]
     assert [f.completion_tokens for _, _, f in alone] == [o.max_tokens for _, o in requests]
     # The fifth request really waited for a slot (so it joined mid-batch).
     assert together[4][2].prefill_started_at > min(f.first_token_at for _, _, f in together[:4])
@@ -220,9 +239,9 @@ def test_stop_strings_and_max_tokens(models, tokenizer):
         prompt = ids(tokenizer, PROMPTS[0])
         text, _, finish = run(engine, prompt, greedy(30))
         assert finish.reason == "length" and finish.completion_tokens == 30
-        stop = text[len(text) // 2:len(text) // 2 + 3]
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
         cut, _, finish = run(engine, prompt, greedy(30, stop=(stop,)))
-        assert finish.reason == "stop" and cut == text[:text.index(stop)] and stop not in cut
+        assert finish.reason == "stop" and cut == text[: text.index(stop)] and stop not in cut
         assert finish.completion_tokens < 30
         two, _, finish = run(engine, prompt, greedy(30, stop=(stop, text[:2])))  # the earliest stop string wins
         assert two == "" and finish.reason == "stop"
@@ -290,8 +309,10 @@ def test_a_failing_request_does_not_stop_the_thread(models, tokenizer):
         good = engine.submit(prompt, greedy(40), top_logprobs=0)
         unknown_token = engine.submit([0, 5, 10**6], greedy(5))
         broken = engine.submit(ids(tokenizer, PROMPTS[1]), greedy(5), constraint=BrokenGrammar())
-        for stream, message in ((unknown_token, "token id 1000000 is not in the model's vocabulary of 384"),
-                                (broken, "this grammar is broken")):
+        for stream, message in (
+            (unknown_token, "token id 1000000 is not in the model's vocabulary of 384"),
+            (broken, "this grammar is broken"),
+        ):
             assert stream.text() == ""
             assert stream.finish.reason == "error" and message in stream.finish.error
         assert (good.text(), [bytes(e["bytes"]) for e in good.logprobs]) == expected
@@ -359,9 +380,9 @@ def test_drop_in_under_the_real_app(models):
     import uvicorn
     from serve_helpers import wait_healthy
 
+    from phalanx.serve.core.served import load_served_model
     from phalanx.serve.http.app import create_app
     from phalanx.serve.http.metrics import ServeMetrics
-    from phalanx.serve.core.served import load_served_model
     from phalanx.serve.server import bind
 
     served = load_served_model(models["random"].gguf, name="tiny")
@@ -372,8 +393,16 @@ def test_drop_in_under_the_real_app(models):
         if kind == "torch":
             engine = Engine(served.loaded.model, tokenizer, slots=4, max_queue=4, context=256, observer=metrics)
         else:
-            engine = LlamaCppEngine(models["random"].gguf, tokenizer, slots=4, max_queue=4, context=256, threads=1,
-                                    kv_dtype="f32", observer=metrics)
+            engine = LlamaCppEngine(
+                models["random"].gguf,
+                tokenizer,
+                slots=4,
+                max_queue=4,
+                context=256,
+                threads=1,
+                kv_dtype="f32",
+                observer=metrics,
+            )
         sock = bind("127.0.0.1", 0)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         server = uvicorn.Server(uvicorn.Config(create_app(served, engine, metrics), log_level="warning"))
@@ -382,27 +411,52 @@ def test_drop_in_under_the_real_app(models):
         try:
             wait_healthy(url)
             with httpx.Client(base_url=url, timeout=60) as http:
-                generated = http.post("/api/generate", json={
-                    "model": "tiny", "prompt": "ROMEO:", "stream": False,
-                    "options": {"temperature": 0, "num_predict": 20, "repeat_penalty": 1.3}}).json()
-                chat = http.post("/api/chat", json={
-                    "model": "tiny", "messages": [{"role": "user", "content": "Who is there?"}],
-                    "options": {"temperature": 0.8, "seed": 5, "num_predict": 12}})
+                generated = http.post(
+                    "/api/generate",
+                    json={
+                        "model": "tiny",
+                        "prompt": "ROMEO:",
+                        "stream": False,
+                        "options": {"temperature": 0, "num_predict": 20, "repeat_penalty": 1.3},
+                    },
+                ).json()
+                chat = http.post(
+                    "/api/chat",
+                    json={
+                        "model": "tiny",
+                        "messages": [{"role": "user", "content": "Who is there?"}],
+                        "options": {"temperature": 0.8, "seed": 5, "num_predict": 12},
+                    },
+                )
                 pieces = [json.loads(line)["message"]["content"] for line in chat.text.splitlines() if line]
-                counted = [line for line in http.get("/metrics").text.splitlines()
-                           if line.startswith(("phalanx_serve_generated_tokens_total", "phalanx_serve_prompt_tokens"))]
+                counted = [
+                    line
+                    for line in http.get("/metrics").text.splitlines()
+                    if line.startswith(("phalanx_serve_generated_tokens_total", "phalanx_serve_prompt_tokens"))
+                ]
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-            reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Speak"}],
-                                                   temperature=0, max_tokens=16, logprobs=True, top_logprobs=2)
+            reply = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "Speak"}],
+                temperature=0,
+                max_tokens=16,
+                logprobs=True,
+                top_logprobs=2,
+            )
         finally:
             server.should_exit = True
             thread.join(30)
         choice = reply.choices[0]
         replies[kind] = {
             "generate": (generated["response"], generated["eval_count"], generated["done_reason"]),
-            "chat": "".join(pieces), "metrics": counted,
-            "openai": (choice.message.content, choice.finish_reason, reply.usage.completion_tokens,
-                       [t.token for t in choice.logprobs.content]),
+            "chat": "".join(pieces),
+            "metrics": counted,
+            "openai": (
+                choice.message.content,
+                choice.finish_reason,
+                reply.usage.completion_tokens,
+                [t.token for t in choice.logprobs.content],
+            ),
             "logprobs": [t.logprob for t in choice.logprobs.content],
         }
     ours, theirs = replies["llama.cpp"], replies["torch"]
@@ -420,6 +474,7 @@ def test_phalanx_serve_engine_llamacpp(models, served_run, tmp_path):
     import sys
 
     from serve_helpers import wait_healthy
+
     from tests.helpers import phalanx
 
     refused = phalanx("serve", str(served_run), "--engine", "llamacpp", "--port", "0", check=False, timeout=120)
@@ -428,9 +483,29 @@ def test_phalanx_serve_engine_llamacpp(models, served_run, tmp_path):
 
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "phalanx", "serve", str(models["random"].gguf), "--engine",
-                                 "llamacpp", "--port", "0", "--slots", "2", "--threads", "1", "--model-name", "tiny",
-                                 "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "phalanx",
+                "serve",
+                str(models["random"].gguf),
+                "--engine",
+                "llamacpp",
+                "--port",
+                "0",
+                "--slots",
+                "2",
+                "--threads",
+                "1",
+                "--model-name",
+                "tiny",
+                "--log-level",
+                "warning",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 120
         while not (found := re.search(r"listening on (http://\S+)", log.read_text())):
@@ -438,8 +513,16 @@ def test_phalanx_serve_engine_llamacpp(models, served_run, tmp_path):
             time.sleep(0.1)
         assert "llama.cpp, cpu" in log.read_text()
         wait_healthy(found.group(1), proc, log)
-        reply = httpx.post(f"{found.group(1)}/api/generate", timeout=60, json={
-            "model": "tiny", "prompt": "ROMEO:", "stream": False, "options": {"temperature": 0, "num_predict": 8}})
+        reply = httpx.post(
+            f"{found.group(1)}/api/generate",
+            timeout=60,
+            json={
+                "model": "tiny",
+                "prompt": "ROMEO:",
+                "stream": False,
+                "options": {"temperature": 0, "num_predict": 8},
+            },
+        )
         assert reply.status_code == 200, reply.text
         assert reply.json()["eval_count"] == 8 and reply.json()["done_reason"] == "length"
     finally:

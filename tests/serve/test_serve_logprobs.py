@@ -23,8 +23,9 @@ def check_entry(token: str, logprob: float, raw: list[int] | None, top: list, k:
 
 
 def test_openai_chat_logprobs_greedy(oai):
-    response = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
-                                           logprobs=True, top_logprobs=3)
+    response = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
     choice = response.choices[0]
     content = choice.logprobs.content
     assert choice.finish_reason == "length"  # (end-of-text is not listed; a stop string's tokens would be)
@@ -35,8 +36,11 @@ def test_openai_chat_logprobs_greedy(oai):
         check_entry(entry.token, entry.logprob, entry.bytes, entry.top_logprobs, 3)
         # Greedy without penalties takes the model's likeliest token: it heads its own alternatives.
         assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
-    streamed = list(oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
-                                                logprobs=True, top_logprobs=3, stream=True))
+    streamed = list(
+        oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        )
+    )
     pieces = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in pieces] == [(e.token, e.logprob) for e in content]
     plain = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
@@ -45,10 +49,20 @@ def test_openai_chat_logprobs_greedy(oai):
 
 def test_sampled_logprobs_are_the_models_not_the_tempered(oai):
     """The same token at the same place has the same log-probability whatever the temperature."""
-    cold = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0, logprobs=True,
-                                       top_logprobs=20).choices[0].logprobs.content[0]
-    hot = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=2.0, seed=7,
-                                      logprobs=True, top_logprobs=20).choices[0].logprobs.content[0]
+    cold = (
+        oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0, logprobs=True, top_logprobs=20
+        )
+        .choices[0]
+        .logprobs.content[0]
+    )
+    hot = (
+        oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, temperature=2.0, seed=7, logprobs=True, top_logprobs=20
+        )
+        .choices[0]
+        .logprobs.content[0]
+    )
     table = {t.token: t.logprob for t in cold.top_logprobs}
     assert [(t.token, t.logprob) for t in hot.top_logprobs] == [(t.token, t.logprob) for t in cold.top_logprobs]
     if hot.token in table:
@@ -56,8 +70,7 @@ def test_sampled_logprobs_are_the_models_not_the_tempered(oai):
 
 
 def test_completions_legacy_logprobs(oai):
-    response = oai.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=8, temperature=0, logprobs=2,
-                                      echo=True)
+    response = oai.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=8, temperature=0, logprobs=2, echo=True)
     choice = response.choices[0]
     legacy = choice.logprobs
     assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 8
@@ -70,17 +83,37 @@ def test_completions_legacy_logprobs(oai):
 
 
 def test_ollama_logprobs(oll, http):
-    reply = oll.chat(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2,
-                     options={"temperature": 0, "repeat_penalty": 1.0, "num_predict": 10})
+    reply = oll.chat(
+        model=MODEL,
+        messages=MESSAGES,
+        logprobs=True,
+        top_logprobs=2,
+        options={"temperature": 0, "repeat_penalty": 1.0, "num_predict": 10},
+    )
     assert reply.done_reason == "length" and len(reply.logprobs) == reply.eval_count == 10
     for entry in reply.logprobs:
         check_entry(entry.token, entry.logprob, None, entry.top_logprobs, 2)
-    raw = http.post("/api/chat", json={"model": MODEL, "messages": MESSAGES, "logprobs": True, "stream": False,
-                                       "options": {"temperature": 0, "repeat_penalty": 1.0, "num_predict": 10}})
+    raw = http.post(
+        "/api/chat",
+        json={
+            "model": MODEL,
+            "messages": MESSAGES,
+            "logprobs": True,
+            "stream": False,
+            "options": {"temperature": 0, "repeat_penalty": 1.0, "num_predict": 10},
+        },
+    )
     entries = raw.json()["logprobs"]
     assert b"".join(bytes(e["bytes"]) for e in entries).decode() == reply.message.content
-    streamed = list(oll.generate(model=MODEL, prompt="Who is there?", logprobs=True, stream=True,
-                                 options={"temperature": 0, "num_predict": 10}))
+    streamed = list(
+        oll.generate(
+            model=MODEL,
+            prompt="Who is there?",
+            logprobs=True,
+            stream=True,
+            options={"temperature": 0, "num_predict": 10},
+        )
+    )
     entries = [e for chunk in streamed for e in chunk.logprobs or []]
     assert all(e.top_logprobs == [] for e in entries)
     assert len(entries) in (streamed[-1].eval_count, streamed[-1].eval_count - 1)  # end-of-text is not listed
@@ -88,8 +121,7 @@ def test_ollama_logprobs(oll, http):
 
 
 def test_n_samples(oai):
-    sampled = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=1.0, seed=11,
-                                          n=3)
+    sampled = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=1.0, seed=11, n=3)
     assert [c.index for c in sampled.choices] == [0, 1, 2]
     texts = [c.message.content for c in sampled.choices]
     assert len(set(texts)) > 1
@@ -101,8 +133,18 @@ def test_n_samples(oai):
     greedy = oai.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=6, temperature=0, n=2)
     assert greedy.choices[0].text == greedy.choices[1].text and greedy.usage.completion_tokens == 12
 
-    streamed = list(oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=1.0,
-                                                seed=11, n=3, stream=True, stream_options={"include_usage": True}))
+    streamed = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=1.0,
+            seed=11,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     by_index: dict[int, str] = {}
     finished = set()
     for chunk in streamed:
@@ -116,8 +158,7 @@ def test_n_samples(oai):
 
 def test_bad_n_and_logprobs_are_400(http):
     chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
-    for extra in ({"n": 0}, {"n": 17}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21},
-                  {"logprobs": 3}):
+    for extra in ({"n": 0}, {"n": 17}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": 3}):
         response = http.post("/v1/chat/completions", json={**chat, **extra})
         assert response.status_code == 400, (extra, response.text)
     completion = {"model": MODEL, "prompt": "x", "max_tokens": 2}

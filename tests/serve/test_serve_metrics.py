@@ -9,8 +9,11 @@ from serve_helpers import MODEL
 def scrape(http) -> dict[tuple[str, tuple], float]:
     response = http.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
 
 
 def requests_count(samples, endpoint: str, status: str) -> float:
@@ -20,8 +23,15 @@ def requests_count(samples, endpoint: str, status: str) -> float:
 def test_metrics_parse_and_count(server):
     with server.client() as http:
         before = scrape(http)
-        chat = http.post("/api/chat", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                            "stream": False, "options": {"num_predict": 5}}).json()
+        chat = http.post(
+            "/api/chat",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "stream": False,
+                "options": {"num_predict": 5},
+            },
+        ).json()
         completion = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}).json()
         assert http.post("/api/chat", json={"model": "nobody", "messages": 5}).status_code == 400
         assert http.post("/api/chat", json={"model": "nobody", "messages": [{"role": "user"}]}).status_code == 404
@@ -41,7 +51,6 @@ def test_metrics_parse_and_count(server):
     assert after[ttft] - before[ttft] == 2
     assert after[("phalanx_serve_slots", ())] == 8
     assert after[("phalanx_serve_queue_depth", ())] == 0 and after[("phalanx_serve_active_slots", ())] == 0
-
 
 
 def test_throughput_is_counters_and_no_created_series(server):

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from phalanx.models.llama import ModelArgs
-from phalanx.serve.engines.torch_engine import Engine, step_span, step_width
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.engines.row_invariant import RowInvariantLinear, rows_agree
+from phalanx.serve.engines.torch_engine import Engine, step_span, step_width
 
-ARGS = ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=160,
-                 rope_theta=10000.0)  # ffn 1152: w2's reduction is cut in two chunks (row_invariant.py)
+ARGS = ModelArgs(
+    dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=160, rope_theta=10000.0
+)  # ffn 1152: w2's reduction is cut in two chunks (row_invariant.py)
 
 
 def prompt(tokenizer, i: int) -> list[int]:
@@ -60,7 +61,7 @@ def test_row_invariant_linear_gives_each_row_the_same_bits_at_any_batch_size(dty
         linear = RowInvariantLinear(plain)
         x = torch.randn(16, 1, k).to(dtype)  # (rows, 1, features), as a decode step has them
         with torch.no_grad():
-            one_by_one = torch.cat([linear(x[r:r + 1]) for r in range(16)])
+            one_by_one = torch.cat([linear(x[r : r + 1]) for r in range(16)])
             for m in range(2, 17):
                 assert torch.equal(linear(x[:m]), one_by_one[:m]), (k, n, m)
             atol = 1e-4 if dtype == torch.float32 else 0.1

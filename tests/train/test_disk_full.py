@@ -26,8 +26,9 @@ def small_fs(tmp_path):
     mount_point.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     yield mount_point
@@ -75,7 +76,7 @@ def test_a_run_whose_final_save_fails_on_a_full_disk_exits_8_and_says_why(small_
     run_dir = small_fs / next(a for a in args if a.startswith("run.name=")).removeprefix("run.name=")
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
     # One or two fit (the margin depends on what else the run directory holds), never all three.
-    assert saved and saved == ["step_00000004", "step_00000008"][:len(saved)], saved
+    assert saved and saved == ["step_00000004", "step_00000008"][: len(saved)], saved
     newest = saved[-1]
     size = checkpoint_bytes(run_dir / "checkpoints" / newest)
     last = proc.stderr.strip().splitlines()[-1]

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers import losses_by_step, phalanx
 
 from phalanx.parallel.distributed import DistEnv
 from phalanx.run.records import read_events
 from phalanx.run.snapshots import newest_common_step, run_snapshot_dirs
 from phalanx.train.memory_checkpoint import MemorySnapshots, choose_interval, owner_pid, remove_rank
+from tests.helpers import losses_by_step, phalanx
 
 # A disk checkpoint only at the end (interval 50 > 12 steps): a restart can only be quick from memory.
 DRILL = ["train.max_steps=12", "checkpoint.interval=50", "safe.hang_floor_s=2", "--nproc", "2"]
@@ -55,8 +55,9 @@ def test_auto_interval_is_chosen_once_and_snapshots_are_removed_at_the_end(clean
 def test_kill_resumes_from_the_in_memory_snapshot_bit_identically(clean):
     args, _, _, clean_losses = clean
     kill = [{"fault": "kill", "rank": 1, "step": 8}]
-    summary, stderr = _train([*args, "run.name=memory-kill", *DRILL, "checkpoint.memory_interval=1",
-                              f"safe.inject={json.dumps(kill)}"])
+    summary, stderr = _train(
+        [*args, "run.name=memory-kill", *DRILL, "checkpoint.memory_interval=1", f"safe.inject={json.dumps(kill)}"]
+    )
     run_dir = Path(summary["run_dir"])
     assert summary["steps"] == 12 and summary["restarts"] == 1
     assert losses_by_step(run_dir) == clean_losses  # every step, bit for bit
@@ -73,8 +74,9 @@ def test_kill_resumes_from_the_in_memory_snapshot_bit_identically(clean):
 def test_a_nan_loss_rolls_back_to_the_snapshot_of_the_step_before(clean):
     args, _, _, clean_losses = clean
     nan = [{"fault": "nan", "rank": 1, "step": 8}]
-    summary, stderr = _train([*args, "run.name=memory-nan", *DRILL, "checkpoint.memory_interval=1",
-                              f"safe.inject={json.dumps(nan)}"])
+    summary, stderr = _train(
+        [*args, "run.name=memory-nan", *DRILL, "checkpoint.memory_interval=1", f"safe.inject={json.dumps(nan)}"]
+    )
     run_dir = Path(summary["run_dir"])
     assert summary["steps"] == 12 and summary["restarts"] == 0
     assert losses_by_step(run_dir) == clean_losses  # the poisoned step replayed, bit for bit
@@ -181,8 +183,12 @@ def test_a_snapshot_holds_raw_bytes_and_json_only(snapshots):
     """Nothing in a snapshot is unpickled: its files are a flat slot and a JSON sidecar."""
     make, _ = snapshots
     _, _, writer, _ = _taken(make, steps=1)
-    assert sorted(p.name for p in writer.dir.iterdir()) == ["slot_0.bin", "slot_1.bin", "slot_2.bin",
-                                                            "step_00000001.json"]
+    assert sorted(p.name for p in writer.dir.iterdir()) == [
+        "slot_0.bin",
+        "slot_1.bin",
+        "slot_2.bin",
+        "step_00000001.json",
+    ]
     record = json.loads((writer.dir / "step_00000001.json").read_text())
     assert record["values"]["group.0.betas"] == {"tuple": [0.9, 0.999]}
     assert record["crc32"] == zlib.crc32((writer.dir / "slot_0.bin").read_bytes())
@@ -193,8 +199,12 @@ def test_a_snapshot_of_another_layout_is_ignored_with_one_line(snapshots):
     model, optimizer, _, _ = _taken(make)
     reader = make(layout={"tp": 2})
     assert reader.resume(model, optimizer, 0, {}) is None
-    assert lines == [("warning: in-memory snapshots ignored (steps 1, 2, 3: taken under {'layout': {'tp': 1}}, "
-                      "this group has {'layout': {'tp': 2}})")]
+    assert lines == [
+        (
+            "warning: in-memory snapshots ignored (steps 1, 2, 3: taken under {'layout': {'tp': 1}}, "
+            "this group has {'layout': {'tp': 2}})"
+        )
+    ]
 
 
 def test_a_snapshot_of_another_model_shape_is_not_loaded(snapshots):

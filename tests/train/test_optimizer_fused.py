@@ -51,8 +51,12 @@ def test_fused_where_torch_has_the_kernel_default_elsewhere():
 def test_per_tensor_adamw_checkpoint_resumes_on_the_fused_one(tmp_path):
     old_model = model_(0)
     groups = build_optimizer(old_model, TRAIN).param_groups  # the same groups, as before fused was chosen
-    old = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
-                            lr=TRAIN.lr, betas=(TRAIN.beta1, TRAIN.beta2), eps=1e-8)
+    old = torch.optim.AdamW(
+        [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
+        lr=TRAIN.lr,
+        betas=(TRAIN.beta1, TRAIN.beta2),
+        eps=1e-8,
+    )
     assert not old.param_groups[0]["fused"]
     for seed in range(3):
         step(old_model, old, seed)

@@ -4,9 +4,9 @@ training again from step 0 (checkpoint.resume=never does that on purpose)."""
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
+
+import pytest
 
 from phalanx.run.layout import RunDir
 from phalanx.run.records import read_events

@@ -1,6 +1,7 @@
 """Two ranks through torch's elastic launcher on gloo: DDP and FSDP2 match one process; DDP resumes exactly."""
 
 import pytest
+
 from tests.helpers import losses_by_step, train_json
 
 

@@ -1,14 +1,25 @@
 import pytest
+
 """One-process training through the real CLI: outputs, loss, exact resume, checkpoints, generation."""
 
 import json
 
+from phalanx.run.checkpoints import latest_checkpoint, list_checkpoints
 from tests.helpers import losses_by_step, phalanx, read_metrics, train_json
 
-from phalanx.run.checkpoints import latest_checkpoint, list_checkpoints
-
-SUMMARY_KEYS = {"run_dir", "steps", "tokens_seen", "val_loss_start", "val_loss_final", "train_loss_final",
-                "tokens_per_sec", "achieved_tflops", "mfu", "last_checkpoint", "wall_seconds"}
+SUMMARY_KEYS = {
+    "run_dir",
+    "steps",
+    "tokens_seen",
+    "val_loss_start",
+    "val_loss_final",
+    "train_loss_final",
+    "tokens_per_sec",
+    "achieved_tflops",
+    "mfu",
+    "last_checkpoint",
+    "wall_seconds",
+}
 
 
 def test_train_writes_run_and_loss_falls(tiny_args):
@@ -23,8 +34,17 @@ def test_train_writes_run_and_loss_falls(tiny_args):
     steps = [m for m in metrics if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, 13))
     for m in steps:
-        assert {"loss", "lr", "grad_norm", "tokens_per_sec", "achieved_tflops", "peak_mem_gib", "step_seconds",
-                "compute_seconds", "time"} <= m.keys()
+        assert {
+            "loss",
+            "lr",
+            "grad_norm",
+            "tokens_per_sec",
+            "achieved_tflops",
+            "peak_mem_gib",
+            "step_seconds",
+            "compute_seconds",
+            "time",
+        } <= m.keys()
     assert [m["step"] for m in metrics if "val_loss" in m] == [0, 6, 12]
     assert steps[0]["lr"] < steps[1]["lr"]  # warm-up
     assert steps[-1]["lr"] < steps[2]["lr"]  # cosine decay
@@ -33,7 +53,10 @@ def test_train_writes_run_and_loss_falls(tiny_args):
     root = Path(run_dir)
     assert (root / "config.yaml").is_file() and (root / "tokenizer.json").is_file()
     assert [p.name for p in list_checkpoints(root / "checkpoints")] == [
-        "step_00000004", "step_00000008", "step_00000012"]
+        "step_00000004",
+        "step_00000008",
+        "step_00000012",
+    ]
     assert summary["last_checkpoint"] == str(latest_checkpoint(root / "checkpoints"))
 
 
@@ -83,8 +106,12 @@ def test_generate_from_trained_run(tiny_args):
     assert first.startswith("ROMEO:") and len(first) > len("ROMEO:") + 5
     assert first == second  # a seed makes sampling repeatable
     greedy = phalanx("generate", summary["run_dir"], "ROMEO:", "--temperature", "0", "--max-new-tokens", "8").stdout
-    assert greedy == phalanx("generate", summary["last_checkpoint"], "ROMEO:", "--temperature", "0",
-                             "--max-new-tokens", "8").stdout
+    assert (
+        greedy
+        == phalanx(
+            "generate", summary["last_checkpoint"], "ROMEO:", "--temperature", "0", "--max-new-tokens", "8"
+        ).stdout
+    )
 
 
 @pytest.mark.slow
@@ -105,8 +132,9 @@ def test_activation_checkpointing_and_compile_train_save_and_generate(tiny_args)
     plain = train_json(*tiny_args, "train.max_steps=4")
     name = plain["run_dir"].rsplit("/", 1)[-1]
     wrapped_args = [a for a in tiny_args if not a.startswith("run.name=")] + [f"run.name={name}-wrapped"]
-    wrapped = train_json(*wrapped_args, "train.max_steps=4", "train.activation_checkpointing=true",
-                         "train.compile=true")
+    wrapped = train_json(
+        *wrapped_args, "train.max_steps=4", "train.activation_checkpointing=true", "train.compile=true"
+    )
     a, b = losses_by_step(plain["run_dir"]), losses_by_step(wrapped["run_dir"])
     assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-4 for s in a)
     assert phalanx("generate", wrapped["run_dir"], "ROMEO:", "--max-new-tokens", "5").stdout.startswith("ROMEO:")

@@ -19,8 +19,9 @@ def load_job_config(path: str | None, overrides: list[str], nodes: int, ranks_pe
     config = load_config(path, overrides)
     world = nodes * ranks_per_node
     if world > 1 and config.parallel.strategy == "none":
-        raise PhalanxError(f"parallel.strategy=none runs one process, not {world} ranks; "
-                           "set parallel.strategy=ddp or fsdp")
+        raise PhalanxError(
+            f"parallel.strategy=none runs one process, not {world} ranks; set parallel.strategy=ddp or fsdp"
+        )
     check_batch_sizes(config.train.global_batch_size, config.train.micro_batch_size, world)
     LaunchSpec(nproc=ranks_per_node, nnodes=str(nodes), rdzv_endpoint="head:29500").validate()
     return config

@@ -80,50 +80,90 @@ def local_paths(config: Config) -> list[str]:
     return [p for p in paths if not p.startswith(RUNS_MOUNT + "/")]
 
 
-def manifests(config: Config, config_yaml: str, name: str, nodes: int, gpus_per_node: int, image: str,
-              vendor: str, shm_size: str, volume_size: str, storage_class: str | None, port: int,
-              max_requeues: int) -> dict[str, dict[str, Any]]:
+def manifests(
+    config: Config,
+    config_yaml: str,
+    name: str,
+    nodes: int,
+    gpus_per_node: int,
+    image: str,
+    vendor: str,
+    shm_size: str,
+    volume_size: str,
+    storage_class: str | None,
+    port: int,
+    max_requeues: int,
+) -> dict[str, dict[str, Any]]:
     """File name -> manifest. `config` is the pod config (pod_config) and `config_yaml` its text."""
     policy = exit_policy()
     labels = {"app.kubernetes.io/name": "phalanx", "app.kubernetes.io/instance": name}
     head = f"{name}-0.{name}"  # pod 0's hostname under the headless Service: the rendezvous host
-    mounts = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-              {"name": "runs", "mountPath": RUNS_MOUNT},
-              {"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+        {"name": "runs", "mountPath": RUNS_MOUNT},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
     node_agent = {
         "name": CONTAINER,
         "image": image,
-        "command": ["phalanx", "train", f"{CONFIG_MOUNT}/{CONFIG_KEY}", "--nnodes", str(nodes),
-                    "--nproc", str(gpus_per_node), "--node-rank", "$(NODE_RANK)",
-                    "--rdzv-endpoint", f"{head}:{port}"],
-        "env": [{"name": "NODE_RANK", "valueFrom": {"fieldRef": {
-                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
-                {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "command": [
+            "phalanx",
+            "train",
+            f"{CONFIG_MOUNT}/{CONFIG_KEY}",
+            "--nnodes",
+            str(nodes),
+            "--nproc",
+            str(gpus_per_node),
+            "--node-rank",
+            "$(NODE_RANK)",
+            "--rdzv-endpoint",
+            f"{head}:{port}",
+        ],
+        "env": [
+            {
+                "name": "NODE_RANK",
+                "valueFrom": {
+                    "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+                },
+            },
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+        ],
         "ports": [{"name": "rdzv", "containerPort": port}],
         "resources": {"limits": {VENDORS[vendor]: gpus_per_node}},
         "volumeMounts": mounts,
     }
     # Pod 0 is told apart from the others by resolving its own DNS name: wait until the Service
     # publishes it, or pod 0 would not know it hosts the rendezvous and fail to join it (exit 5).
-    wait_dns = {"name": "wait-for-rendezvous-host", "image": image,
-                "command": ["sh", "-c", f"until getent hosts {head} >/dev/null; do sleep 1; done"]}
+    wait_dns = {
+        "name": "wait-for-rendezvous-host",
+        "image": image,
+        "command": ["sh", "-c", f"until getent hosts {head} >/dev/null; do sleep 1; done"],
+    }
     job = {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "labels": labels},
         "spec": {
-            "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
+            "completionMode": "Indexed",
+            "completions": nodes,
+            "parallelism": nodes,
             # One lost node usually takes every agent down with it (the others fail to re-form: exit 5),
             # so each requeue may cost a failed pod per node.
             "backoffLimit": max_requeues * nodes,
-            "podFailurePolicy": {"rules": [
-                # Running again cannot fix these (bad input, a crash loop, a bad node): fail the Job.
-                {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                                                      "values": list(policy.never)}},
-                # Preemption, eviction, a drained node: replace the pod without counting it.
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                # Every other failure (the requeue codes of the table: a lost peer, the store, a signal)
-                # replaces the pod and counts against backoffLimit; the agents resume from the newest
-                # checkpoint on the shared volume.
-            ]},
+            "podFailurePolicy": {
+                "rules": [
+                    # Running again cannot fix these (bad input, a crash loop, a bad node): fail the Job.
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": list(policy.never)},
+                    },
+                    # Preemption, eviction, a drained node: replace the pod without counting it.
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                    # Every other failure (the requeue codes of the table: a lost peer, the store, a signal)
+                    # replaces the pod and counts against backoffLimit; the agents resume from the newest
+                    # checkpoint on the shared volume.
+                ]
+            },
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
@@ -144,16 +184,32 @@ def manifests(config: Config, config_yaml: str, name: str, nodes: int, gpus_per_
             },
         },
     }
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
-               "spec": {"clusterIP": "None", "selector": labels, "publishNotReadyAddresses": True,
-                        "ports": [{"name": "rdzv", "port": port, "targetPort": port}]}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "clusterIP": "None",
+            "selector": labels,
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "rdzv", "port": port, "targetPort": port}],
+        },
+    }
     claim: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": volume_size}}}
     if storage_class:
         claim["storageClassName"] = storage_class
-    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-           "metadata": {"name": f"{name}-runs", "labels": labels}, "spec": claim}
-    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config", "labels": labels},
-                 "data": {CONFIG_KEY: config_yaml}}
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": f"{name}-runs", "labels": labels},
+        "spec": claim,
+    }
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-config", "labels": labels},
+        "data": {CONFIG_KEY: config_yaml},
+    }
     return {"configmap.yaml": configmap, "service.yaml": service, "pvc.yaml": pvc, "job.yaml": job}
 
 
@@ -162,7 +218,7 @@ HEADERS = {
     "service.yaml": "Headless Service: gives pod 0 a stable DNS name, the rendezvous host.",
     "pvc.yaml": "The shared volume (ReadWriteMany): run directories and checkpoints every node reads.",
     "job.yaml": "Indexed Job: pod i runs the node agent of node rank i; see phalanx/launch/cluster/k8s.py "
-                "for why this form.",
+    "for why this form.",
 }
 
 
@@ -174,8 +230,10 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
-_Dumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
-    "tag:yaml.org,2002:str", value, style="|" if "\n" in value else None))
+_Dumper.add_representer(
+    str,
+    lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None),
+)
 
 
 def write(out: Path, files: dict[str, dict[str, Any]], vendor: str) -> list[Path]:

@@ -101,9 +101,12 @@ class NodeAgent:
         except PhalanxError as exc:
             return failure(exc)
         if mine != digest:
-            return failure(PhalanxError(
-                f"the prepared data in {data.dir} differs from node 0's (digest {mine[:12]} against {digest[:12]}): "
-                "the nodes must read the same data sources and runs root (run.dir on a shared filesystem)"))
+            return failure(
+                PhalanxError(
+                    f"the prepared data in {data.dir} differs from node 0's (digest {mine[:12]} against {digest[:12]}): "
+                    "the nodes must read the same data sources and runs root (run.dir on a shared filesystem)"
+                )
+            )
         return {"digest": mine}
 
     def record(self, config: Config, kind: str, **details: Any) -> None:
@@ -156,6 +159,7 @@ def wait_for_endpoint(endpoint: str, timeout: float) -> None:
                 return
         except OSError:
             if time.monotonic() > deadline:
-                raise RendezvousFailedError(f"node 0's rendezvous at {endpoint} did not come up within "
-                                            f"safe.startup_timeout_s={timeout:g} s") from None
+                raise RendezvousFailedError(
+                    f"node 0's rendezvous at {endpoint} did not come up within safe.startup_timeout_s={timeout:g} s"
+                ) from None
             time.sleep(0.2)

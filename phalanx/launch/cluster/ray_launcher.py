@@ -53,15 +53,26 @@ NAMESPACE = "phalanx"
 # with its dashboard): --debug, the progress interval, the preflight's slow-rank drill.
 FORWARDED_ENV = (DEBUG_ENV, "PHALANX_PROGRESS_INTERVAL", "PHALANX_PREFLIGHT_SLOW_RANK", "PHALANX_PREFLIGHT_SLOW_FACTOR")
 FINISH_GRACE_S = 60.0  # after node 0's agent is done, how long the others may take to end on their own
-ERRORS = {cls.__name__: cls for cls in (PhalanxError, CheckpointLoadError, CrashLoopError, RestartsExhaustedError,
-                                         RendezvousFailedError, PreflightFailedError)}
+ERRORS = {
+    cls.__name__: cls
+    for cls in (
+        PhalanxError,
+        CheckpointLoadError,
+        CrashLoopError,
+        RestartsExhaustedError,
+        RendezvousFailedError,
+        PreflightFailedError,
+    )
+}
 
 
 def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise PhalanxError("--launcher ray needs Ray on this machine and every node: pip install 'phalanx[ray]'") from None
+        raise PhalanxError(
+            "--launcher ray needs Ray on this machine and every node: pip install 'phalanx[ray]'"
+        ) from None
     return ray
 
 
@@ -93,8 +104,12 @@ class RayJob:
             summary, host = self._train()
             if summary is None:
                 raise PhalanxError("the job ended without a summary: no node reported global rank 0")
-            extra = {"launcher": "ray", "nodes": len(self.actors),
-                     "machines": len({p["ip"] for p in self.places}), "nodes_replaced": self.replaced}
+            extra = {
+                "launcher": "ray",
+                "nodes": len(self.actors),
+                "machines": len({p["ip"] for p in self.places}),
+                "nodes_replaced": self.replaced,
+            }
             return self.ray.get(self.actors[host].annotate_summary.remote(self.config, extra))
         finally:
             self._release()
@@ -107,52 +122,72 @@ class RayJob:
         ray, config, spec = self.ray, self.config, self.spec
         low, high = spec.node_range()
         bundle = self._bundle()
-        fit = sum(1 for node in ray.nodes() if node["Alive"]
-                  and all(node["Resources"].get(k, 0) >= v for k, v in bundle.items()))
+        fit = sum(
+            1
+            for node in ray.nodes()
+            if node["Alive"] and all(node["Resources"].get(k, 0) >= v for k, v in bundle.items())
+        )
         shown = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
         if fit >= high:
             count, strategy = high, "STRICT_SPREAD"
         elif fit >= low and fit > 0:
             count, strategy = fit, "STRICT_SPREAD"
-            say(f"ray: {fit} of the Ray nodes fit a bundle of {shown}: starting with {fit} node agents "
-                f"(--nnodes {spec.nnodes})")
+            say(
+                f"ray: {fit} of the Ray nodes fit a bundle of {shown}: starting with {fit} node agents "
+                f"(--nnodes {spec.nnodes})"
+            )
         else:
             count, strategy = high, "SPREAD"
-            say(f"warning: only {fit} Ray node(s) fit a bundle of {shown}; the {high} node agents will share "
-                "machines (placement SPREAD, not STRICT_SPREAD)")
+            say(
+                f"warning: only {fit} Ray node(s) fit a bundle of {shown}; the {high} node agents will share "
+                "machines (placement SPREAD, not STRICT_SPREAD)"
+            )
         self.pg = placement_group([dict(bundle)] * count, strategy=strategy, name=f"phalanx-{config.run.name}")
         if not self.pg.wait(timeout_seconds=config.safe.startup_timeout_s):
             raise RendezvousFailedError(
                 f"the Ray cluster could not reserve {count} bundles of {shown} ({strategy}) within "
-                f"safe.startup_timeout_s={config.safe.startup_timeout_s:g} s; it has {ray.cluster_resources()}")
+                f"safe.startup_timeout_s={config.safe.startup_timeout_s:g} s; it has {ray.cluster_resources()}"
+            )
         gpus = bundle.get("GPU", 0)
         remote = ray.remote(NodeAgent)
         # Ray starts actors with the raylet's environment, not the caller's: pass on phalanx's own switches.
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
         for index in range(count):
-            self.actors.append(remote.options(
-                num_cpus=bundle["CPU"], num_gpus=gpus, max_restarts=-1, max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
-                **({"runtime_env": {"env_vars": env}} if env else {}),
-            ).remote(index, os.getcwd()))
+            self.actors.append(
+                remote.options(
+                    num_cpus=bundle["CPU"],
+                    num_gpus=gpus,
+                    max_restarts=-1,
+                    max_task_retries=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
+                    **({"runtime_env": {"env_vars": env}} if env else {}),
+                ).remote(index, os.getcwd())
+            )
         try:
             self.places = ray.get([a.where.remote() for a in self.actors], timeout=config.safe.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RendezvousFailedError(f"the node agents did not start within safe.startup_timeout_s="
-                                        f"{config.safe.startup_timeout_s:g} s") from None
+            raise RendezvousFailedError(
+                f"the node agents did not start within safe.startup_timeout_s={config.safe.startup_timeout_s:g} s"
+            ) from None
         except ray.exceptions.RayActorError as exc:
-            raise PhalanxError(f"a node agent could not start on the Ray cluster (is phalanx installed on every "
-                               f"node, in the same Python?): {exc}") from None
+            raise PhalanxError(
+                f"a node agent could not start on the Ray cluster (is phalanx installed on every "
+                f"node, in the same Python?): {exc}"
+            ) from None
         machines = len({p["ip"] for p in self.places})
-        say(f"ray: {count} node agents ({strategy}, {shown} each) on {machines} machine(s): "
-            + ", ".join(f"node {i} {p['host']} ({p['ip']})" for i, p in enumerate(self.places)))
+        say(
+            f"ray: {count} node agents ({strategy}, {shown} each) on {machines} machine(s): "
+            + ", ".join(f"node {i} {p['host']} ({p['ip']})" for i, p in enumerate(self.places))
+        )
 
     def _bundle(self) -> dict[str, float]:
         """P GPUs (and a CPU for the agent) per node, or P CPUs where the job runs on CPUs."""
         device, nproc = self.config.parallel.device, self.spec.nproc
         gpus = self.ray.cluster_resources().get("GPU", 0)
         if device == "cuda" and gpus < nproc:
-            raise PhalanxError(f"parallel.device=cuda but the Ray cluster has {gpus:g} GPUs, fewer than --nproc {nproc}")
+            raise PhalanxError(
+                f"parallel.device=cuda but the Ray cluster has {gpus:g} GPUs, fewer than --nproc {nproc}"
+            )
         if device == "cuda" or (device == "auto" and gpus >= nproc):
             return {"CPU": 1.0, "GPU": float(nproc)}
         return {"CPU": float(nproc)}
@@ -168,12 +203,14 @@ class RayJob:
             ray.get(first.remove_probe.remote(config, token))
         blind = [i for i, ok in enumerate(seen, start=1) if not ok]
         if blind:
-            nodes = ", ".join(f"node {i} ({self.places[i]['host']}, working directory {self.places[i]['cwd']})"
-                              for i in blind)
+            nodes = ", ".join(
+                f"node {i} ({self.places[i]['host']}, working directory {self.places[i]['cwd']})" for i in blind
+            )
             raise PhalanxError(
                 f"{nodes} cannot see the run directory {path} that node 0 ({self.places[0]['host']}) writes: several "
                 "machines need run.dir on a filesystem they all mount at the same path (NFS, Lustre, ...), "
-                "given as an absolute path")
+                "given as an absolute path"
+            )
         machines = len({p["ip"] for p in self.places})
         warning = ray.get(first.store_warning.remote(config, machines))
         if warning:
@@ -195,8 +232,10 @@ class RayJob:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=grace)
             if not done:  # node 0 is done and the rest have not ended: they never joined the last round
                 left = sorted(pending.values())
-                say(f"ray: node 0 finished; stopping node(s) {', '.join(map(str, left))}, which did not end "
-                    f"within {FINISH_GRACE_S:g} s")
+                say(
+                    f"ray: node 0 finished; stopping node(s) {', '.join(map(str, left))}, which did not end "
+                    f"within {FINISH_GRACE_S:g} s"
+                )
                 break
             index = pending.pop(done[0])
             try:
@@ -234,14 +273,21 @@ class RayJob:
         lost = self.places[index]
         reason = f"node {index} ({lost['host']}) was lost: {_first_line(exc)}"
         if self.replaced > config.safe.max_restarts:
-            raise RestartsExhaustedError(f"{reason}; Ray has replaced {self.replaced - 1} node(s) already, "
-                                         f"safe.max_restarts={config.safe.max_restarts}")
-        say(f"ray: {reason}; Ray is starting its agent again ({self.replaced} of safe.max_restarts="
-            f"{config.safe.max_restarts})")
+            raise RestartsExhaustedError(
+                f"{reason}; Ray has replaced {self.replaced - 1} node(s) already, "
+                f"safe.max_restarts={config.safe.max_restarts}"
+            )
+        say(
+            f"ray: {reason}; Ray is starting its agent again ({self.replaced} of safe.max_restarts="
+            f"{config.safe.max_restarts})"
+        )
         if index != 0:
             self.places[index] = self._when_back(index)
-            ray.get(self.actors[index].record.remote(config, "node_replaced", node=index,
-                                                     host=self.places[index]["host"], reason=reason))
+            ray.get(
+                self.actors[index].record.remote(
+                    config, "node_replaced", node=index, host=self.places[index]["host"], reason=reason
+                )
+            )
             pending[self._submit(index, endpoint)] = index
             return endpoint
         # Node 0 hosted the rendezvous store: the others cannot re-form without it, so every agent starts
@@ -252,8 +298,9 @@ class RayJob:
         pending.clear()
         for other in range(len(self.actors)):
             self.places[other] = self._when_back(other)
-        ray.get(self.actors[0].record.remote(config, "node_replaced", node=0, host=self.places[0]["host"],
-                                             reason=reason))
+        ray.get(
+            self.actors[0].record.remote(config, "node_replaced", node=0, host=self.places[0]["host"], reason=reason)
+        )
         # No agent survived to record a restart of its own: this one is the launch's.
         ray.get(self.actors[0].record.remote(config, "restart", attempt=self.replaced, reason=reason))
         endpoint = ray.get(self.actors[0].free_endpoint.remote())
@@ -270,8 +317,9 @@ class RayJob:
                 return ray.get(self.actors[index].where.remote(), timeout=timeout)
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
                 if time.monotonic() > deadline:
-                    raise RendezvousFailedError(f"Ray did not start node {index}'s agent again within "
-                                                f"safe.startup_timeout_s={timeout:g} s") from None
+                    raise RendezvousFailedError(
+                        f"Ray did not start node {index}'s agent again within safe.startup_timeout_s={timeout:g} s"
+                    ) from None
                 time.sleep(0.5)
 
     def _value(self, index: int, outcome: dict[str, Any]) -> dict[str, Any]:
@@ -311,13 +359,16 @@ def _connected(ray: Any, address: str | None) -> Iterator[None]:
         try:
             socket.create_connection((host, int(port)), timeout=5).close()
         except (OSError, ValueError):
-            raise RendezvousFailedError(f"cannot reach the Ray cluster at {address} (--ray-address HOST:PORT, the "
-                                        "head's GCS port, 6379 unless `ray start --port` said otherwise)") from None
+            raise RendezvousFailedError(
+                f"cannot reach the Ray cluster at {address} (--ray-address HOST:PORT, the "
+                "head's GCS port, 6379 unless `ray start --port` said otherwise)"
+            ) from None
     try:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise RendezvousFailedError(f"cannot connect to the Ray cluster at {address or 'RAY_ADDRESS'}: "
-                                    f"{_first_line(exc)}") from None
+        raise RendezvousFailedError(
+            f"cannot connect to the Ray cluster at {address or 'RAY_ADDRESS'}: {_first_line(exc)}"
+        ) from None
     try:
         yield
     finally:
@@ -328,6 +379,7 @@ def _connected(ray: Any, address: str | None) -> Iterator[None]:
 def _stopped_by_sigterm() -> Iterator[None]:
     """A scheduler's SIGTERM (or `ray job stop`) ends the launch like Ctrl-C: the agents are stopped and
     the command exits 143, so that the same command resumes from the newest checkpoint."""
+
     def stop(signum: int, frame: Any) -> None:
         raise StoppedBySignal(signum)
 

@@ -27,8 +27,12 @@ def start_reaper(token: str) -> subprocess.Popen:
     """Mark this process's future children with `token` and start its watcher."""
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # the watcher must not match itself
     os.environ[TOKEN_ENV] = token
-    return subprocess.Popen([sys.executable, "-m", "phalanx.launch.cluster.ray_reaper", str(os.getpid()), token],
-                            env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "phalanx.launch.cluster.ray_reaper", str(os.getpid()), token],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def marked_processes(token: str) -> list[int]:

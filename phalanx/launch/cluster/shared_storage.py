@@ -26,12 +26,41 @@ from phalanx.errors import PhalanxError
 from phalanx.run.layout import RunDir
 
 # Filesystem types (as /proc/mounts names them) whose files live on another machine.
-NETWORK_FILESYSTEMS = frozenset({
-    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ncpfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
-    "ocfs2", "gfs2", "pvfs2", "orangefs", "wekafs", "panfs",
-    "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "fuse.glusterfs", "fuse.ceph", "fuse.cephfs",
-    "fuse.rclone", "fuse.goofys", "fuse.mountpoint-s3", "fuse.blobfuse2", "fuse.lxcfs-network",
-})
+NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "9p",
+        "afs",
+        "ncpfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "glusterfs",
+        "ocfs2",
+        "gfs2",
+        "pvfs2",
+        "orangefs",
+        "wekafs",
+        "panfs",
+        "fuse.sshfs",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.juicefs",
+        "fuse.glusterfs",
+        "fuse.ceph",
+        "fuse.cephfs",
+        "fuse.rclone",
+        "fuse.goofys",
+        "fuse.mountpoint-s3",
+        "fuse.blobfuse2",
+        "fuse.lxcfs-network",
+    }
+)
 
 
 def filesystem_type(path: Path, mounts: list[tuple[str, str]] | None = None) -> str:
@@ -90,8 +119,9 @@ def sqlite_store_dir(store: str | None, runs_root: Path) -> Path | None:
     return Path(store).absolute().parent
 
 
-def store_warning(store: str | None, runs_root: Path, machines: int,
-                  mounts: list[tuple[str, str]] | None = None) -> str | None:
+def store_warning(
+    store: str | None, runs_root: Path, machines: int, mounts: list[tuple[str, str]] | None = None
+) -> str | None:
     """Why the run store will not serve this cluster job well, or None. `machines` is how many machines
     the job's nodes are on."""
     folder = sqlite_store_dir(store, runs_root)
@@ -100,11 +130,15 @@ def store_warning(store: str | None, runs_root: Path, machines: int,
     fstype = filesystem_type(folder, mounts)
     fix = "set observe.store to a PostgreSQL URL (postgresql://USER@HOST/DB) that every node reaches"
     if is_network_filesystem(fstype):
-        return (f"the run store is an SQLite file in {folder}, on a network filesystem ({fstype}), where SQLite's "
-                f"file locks are unreliable; {fix}")
+        return (
+            f"the run store is an SQLite file in {folder}, on a network filesystem ({fstype}), where SQLite's "
+            f"file locks are unreliable; {fix}"
+        )
     if machines > 1:
-        return (f"the run store is an SQLite file in {folder} while the job spans {machines} machines; "
-                f"SQLite on a shared filesystem is unreliable; {fix}")
+        return (
+            f"the run store is an SQLite file in {folder} while the job spans {machines} machines; "
+            f"SQLite on a shared filesystem is unreliable; {fix}"
+        )
     return None
 
 

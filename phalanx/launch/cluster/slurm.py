@@ -45,8 +45,10 @@ class SlurmJob:
         if self.time is not None:
             limit = time_limit_seconds(self.time)
             if limit <= self.signal_before_s:
-                raise PhalanxError(f"--time {self.time} leaves no time before the {self.signal_before_s} s "
-                                   "warning signal; give a longer --time or a shorter --signal-before")
+                raise PhalanxError(
+                    f"--time {self.time} leaves no time before the {self.signal_before_s} s "
+                    "warning signal; give a longer --time or a shorter --signal-before"
+                )
         if not 0 < self.signal_before_s <= 65535:
             raise PhalanxError(f"--signal-before must be 1 to 65535 seconds, not {self.signal_before_s}")
         if self.port is not None and not 1024 <= self.port < 65536:
@@ -82,16 +84,25 @@ def render_sbatch(job: SlurmJob, script: Path, config_file: Path, phalanx_cmd: l
     phalanx_cmd = phalanx_cmd or [sys.executable, "-m", "phalanx"]
     policy = exit_policy()
     out_dir, stem = script.parent, script.stem
-    directives = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
-                  # whole nodes: the node agent's ranks need every core (and GPU) of their node
-                  "--exclusive"]
+    directives = [
+        f"--job-name={job.job_name}",
+        f"--nodes={job.nodes}",
+        "--ntasks-per-node=1",
+        # whole nodes: the node agent's ranks need every core (and GPU) of their node
+        "--exclusive",
+    ]
     if not job.cpu:
         directives.append(f"--gpus-per-node={job.ranks_per_node}")
     directives += [f"--partition={job.partition}"] if job.partition else []
     directives += [f"--account={job.account}"] if job.account else []
     directives += [f"--time={job.time}"] if job.time else []
-    directives += [f"--signal=TERM@{job.signal_before_s}", "--requeue", "--open-mode=append",
-                   f"--chdir={out_dir}", f"--output={out_dir / stem}-%j.out"]
+    directives += [
+        f"--signal=TERM@{job.signal_before_s}",
+        "--requeue",
+        "--open-mode=append",
+        f"--chdir={out_dir}",
+        f"--output={out_dir / stem}-%j.out",
+    ]
     gpus = "" if job.cpu else f" --gpus-per-node={job.ranks_per_node}"
     port = str(job.port) if job.port else "$((20000 + SLURM_JOB_ID % 20000))"
     requeue_cases = "|".join(str(c) for c in policy.requeue) or "none"
@@ -100,11 +111,12 @@ def render_sbatch(job: SlurmJob, script: Path, config_file: Path, phalanx_cmd: l
     other = stop  # any other code: an exit by signal N (128 + N) if the table requeues those, else stop
     if policy.requeue_signalled:
         other = f'if [ "$c" -gt 128 ] && [ "$c" -le {128 + MAX_SIGNAL} ]; then requeue_code=$c; else {stop}; fi'
-    lines = ["#!/bin/bash",
-             f"# Written by `phalanx cluster slurm` (phalanx {phalanx.__version__}): one phalanx node agent",
-             "# per node. Submit it with `sbatch`; it requeues itself when the run can go on.",
-             *(f"#SBATCH {d}" for d in directives),
-             r"""set -uo pipefail  # not -e: the node agents' exit codes decide what happens next
+    lines = [
+        "#!/bin/bash",
+        f"# Written by `phalanx cluster slurm` (phalanx {phalanx.__version__}): one phalanx node agent",
+        "# per node. Submit it with `sbatch`; it requeues itself when the run can go on.",
+        *(f"#SBATCH {d}" for d in directives),
+        r"""set -uo pipefail  # not -e: the node agents' exit codes decide what happens next
 
 CONFIG=%(config)s
 PHALANX=(%(phalanx)s)  # how every node runs phalanx (the same path on all of them)
@@ -152,20 +164,34 @@ fi
 echo "phalanx: exit $requeue_code: requeueing job $SLURM_JOB_ID to resume from the newest checkpoint"
 scontrol requeue "$SLURM_JOB_ID"
 exit "$requeue_code"
-""" % {"config": shlex.quote(str(config_file)), "phalanx": " ".join(shlex.quote(p) for p in phalanx_cmd),
-       "max_requeues": job.max_requeues, "port": port, "exits": shlex.quote(str(out_dir / f".{stem}-exits")),
-       "gpus": gpus, "nodes": job.nodes, "nproc": job.ranks_per_node, "requeue": requeue_cases,
-       "never": never_cases, "other": other}]
+"""
+        % {
+            "config": shlex.quote(str(config_file)),
+            "phalanx": " ".join(shlex.quote(p) for p in phalanx_cmd),
+            "max_requeues": job.max_requeues,
+            "port": port,
+            "exits": shlex.quote(str(out_dir / f".{stem}-exits")),
+            "gpus": gpus,
+            "nodes": job.nodes,
+            "nproc": job.ranks_per_node,
+            "requeue": requeue_cases,
+            "never": never_cases,
+            "other": other,
+        },
+    ]
     return "\n".join(lines)
 
 
 def submit(script: Path) -> str:
     """`sbatch SCRIPT`; returns the job id."""
     try:
-        proc = subprocess.run(["sbatch", "--parsable", str(script)], check=False, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            ["sbatch", "--parsable", str(script)], check=False, capture_output=True, text=True, timeout=120
+        )
     except FileNotFoundError:
-        raise PhalanxError("--submit needs `sbatch` (run it on a Slurm login node, or submit the script "
-                           "yourself)") from None
+        raise PhalanxError(
+            "--submit needs `sbatch` (run it on a Slurm login node, or submit the script yourself)"
+        ) from None
     except subprocess.TimeoutExpired:
         raise PhalanxError("sbatch did not answer within 120 s (is slurmctld up? `sinfo` says)") from None
     if proc.returncode != 0:

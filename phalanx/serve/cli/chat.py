@@ -20,8 +20,8 @@ from phalanx.serve.cli.chat_backends import (
     ConversationError,
     InvalidParameters,
     LocalChat,
-    Reply,
     RemoteChat,
+    Reply,
     check_parameters,
 )
 from phalanx.serve.cli.chat_commands import BYE, COMPLETIONS, Conversation, run_command
@@ -51,7 +51,7 @@ class ReplyWriter:
             return
         self.out.write(self.held + body)
         self.out.flush()
-        self.held = piece[len(body):]
+        self.held = piece[len(body) :]
 
     def end(self) -> None:
         """Close the block: the reply's last line, then one blank line."""
@@ -109,15 +109,23 @@ def _reply_that_fits(backend: ChatBackend, conversation: Conversation, text: str
             dropped += 1
     if dropped and not conversation.told_of_dropping:
         conversation.told_of_dropping = True
-        err.write(f"note: the conversation outgrew the model's context: left out its oldest {dropped} "
-                  f"exchange{'' if dropped == 1 else 's'}, as from now on whenever it must (the system message "
-                  "stays; /clear starts afresh)\n")
+        err.write(
+            f"note: the conversation outgrew the model's context: left out its oldest {dropped} "
+            f"exchange{'' if dropped == 1 else 's'}, as from now on whenever it must (the system message "
+            "stays; /clear starts afresh)\n"
+        )
         err.flush()
     return reply
 
 
-def chat_loop(backend: ChatBackend, conversation: Conversation, lines: LineSource, out: TextIO = sys.stdout,
-              err: TextIO = sys.stderr, interactive: bool = False) -> None:
+def chat_loop(
+    backend: ChatBackend,
+    conversation: Conversation,
+    lines: LineSource,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    interactive: bool = False,
+) -> None:
     """Talk until /bye or the end of input (Ctrl-D at a terminal). At a terminal Ctrl-C stops only the
     reply (or drops the line being typed) and the chat goes on; piped in, it ends the chat."""
     while True:
@@ -147,8 +155,9 @@ def chat_loop(backend: ChatBackend, conversation: Conversation, lines: LineSourc
                 raise
 
 
-def open_backend(target: str, model: str | None, api_key: str | None, device: str, context: int | None,
-                 err: TextIO) -> ChatBackend:
+def open_backend(
+    target: str, model: str | None, api_key: str | None, device: str, context: int | None, err: TextIO
+) -> ChatBackend:
     if target.startswith(("http://", "https://")):
         if context is not None:
             raise PhalanxError("--context applies to a local model; a server's context is set by phalanx serve")
@@ -160,8 +169,17 @@ def open_backend(target: str, model: str | None, api_key: str | None, device: st
         return LocalChat(Path(target), device, context)
 
 
-def run_chat(target: str, model: str | None, system: str | None, params: dict[str, Any], api_key: str | None,
-             device: str, context: int | None, verbose: bool = False, history: bool = True) -> None:
+def run_chat(
+    target: str,
+    model: str | None,
+    system: str | None,
+    params: dict[str, Any],
+    api_key: str | None,
+    device: str,
+    context: int | None,
+    verbose: bool = False,
+    history: bool = True,
+) -> None:
     try:
         check_parameters(params)
     except InvalidParameters as e:

@@ -42,8 +42,10 @@ class ReplyStats:
 
     def line(self) -> str:
         rate = f" ({self.tokens / self.seconds:,.1f} tokens/s)" if self.seconds > 0 else ""
-        return (f"{self.tokens} tokens in {self.seconds:.2f} s{rate}; "
-                f"prompt {self.prompt_tokens} tokens in {self.prompt_seconds:.2f} s")
+        return (
+            f"{self.tokens} tokens in {self.seconds:.2f} s{rate}; "
+            f"prompt {self.prompt_tokens} tokens in {self.prompt_seconds:.2f} s"
+        )
 
 
 class Reply(Protocol):
@@ -86,8 +88,9 @@ class LocalReply:
         finish = self.stream.finish
         if finish.reason == "error":
             raise ConversationError(finish.error or "generation failed")
-        self.stats = ReplyStats(finish.prompt_tokens, finish.prompt_seconds, finish.completion_tokens,
-                                finish.generation_seconds)
+        self.stats = ReplyStats(
+            finish.prompt_tokens, finish.prompt_seconds, finish.completion_tokens, finish.generation_seconds
+        )
 
     def stop(self) -> None:
         if self.stream.finish is not None:
@@ -136,14 +139,24 @@ class LocalChat:
     def info(self) -> InfoSections:
         args = self.served.loaded.model.args
         details = self.served.details()
-        model = [("name", self.served.name), ("architecture", "llama"),
-                 ("parameters", f"{details['parameter_size']} ({self.served.parameters:,})"),
-                 ("context length", str(self.engine.context)), ("embedding length", str(args.dim)),
-                 ("layers", str(args.n_layers)), ("attention heads", f"{args.n_heads} ({args.n_kv_heads} key/value)"),
-                 ("feed-forward length", str(args.ffn_dim)), ("vocabulary", str(args.vocab_size)),
-                 ("precision", details["quantization_level"])]
-        source = [("checkpoint", str(self.served.loaded.checkpoint)), ("format", self.served.loaded.format),
-                  ("device", str(self.engine.device)), ("loaded in", f"{self.served.load_seconds:.1f} s")]
+        model = [
+            ("name", self.served.name),
+            ("architecture", "llama"),
+            ("parameters", f"{details['parameter_size']} ({self.served.parameters:,})"),
+            ("context length", str(self.engine.context)),
+            ("embedding length", str(args.dim)),
+            ("layers", str(args.n_layers)),
+            ("attention heads", f"{args.n_heads} ({args.n_kv_heads} key/value)"),
+            ("feed-forward length", str(args.ffn_dim)),
+            ("vocabulary", str(args.vocab_size)),
+            ("precision", details["quantization_level"]),
+        ]
+        source = [
+            ("checkpoint", str(self.served.loaded.checkpoint)),
+            ("format", self.served.loaded.format),
+            ("device", str(self.engine.device)),
+            ("loaded in", f"{self.served.load_seconds:.1f} s"),
+        ]
         return [("Model", model), ("Source", source)]
 
     def model_parameters(self) -> list[tuple[str, str]]:
@@ -171,8 +184,12 @@ class RemoteReply:
                 if text := part.get("message", {}).get("content"):
                     yield text
                 if part.get("done"):
-                    self.stats = ReplyStats(part.get("prompt_eval_count", 0), part.get("prompt_eval_duration", 0) / 1e9,
-                                            part.get("eval_count", 0), part.get("eval_duration", 0) / 1e9)
+                    self.stats = ReplyStats(
+                        part.get("prompt_eval_count", 0),
+                        part.get("prompt_eval_duration", 0) / 1e9,
+                        part.get("eval_count", 0),
+                        part.get("eval_duration", 0) / 1e9,
+                    )
         except httpx.HTTPError as e:
             raise PhalanxError(f"lost the connection to {self.url}: {e}") from None
         finally:
@@ -243,12 +260,18 @@ class RemoteChat:
 
         count = facts.get("general.parameter_count")
         parameters = details.get("parameter_size", "?") + (f" ({count:,})" if isinstance(count, int) else "")
-        model = [("name", self.name), ("architecture", arch), ("parameters", parameters),
-                 ("context length", fact("context_length")), ("embedding length", fact("embedding_length")),
-                 ("layers", fact("block_count")),
-                 ("attention heads", f"{fact('attention.head_count')} ({fact('attention.head_count_kv')} key/value)"),
-                 ("feed-forward length", fact("feed_forward_length")), ("vocabulary", fact("vocab_size")),
-                 ("precision", details.get("quantization_level", "?"))]
+        model = [
+            ("name", self.name),
+            ("architecture", arch),
+            ("parameters", parameters),
+            ("context length", fact("context_length")),
+            ("embedding length", fact("embedding_length")),
+            ("layers", fact("block_count")),
+            ("attention heads", f"{fact('attention.head_count')} ({fact('attention.head_count_kv')} key/value)"),
+            ("feed-forward length", fact("feed_forward_length")),
+            ("vocabulary", fact("vocab_size")),
+            ("precision", details.get("quantization_level", "?")),
+        ]
         return [("Model", model), ("Server", [("address", self.url), ("format", details.get("format", "?"))])]
 
     def model_parameters(self) -> list[tuple[str, str]]:

@@ -39,18 +39,18 @@ HELP = '''Available commands:
 Use """ to begin a multi-line message, and """ again to end it.
 Ctrl-C stops a reply; the chat goes on without that exchange.'''
 
-SET_HELP = '''Available commands:
+SET_HELP = """Available commands:
   /set parameter ...     Set a parameter (/set parameter lists them)
   /set system <string>   Set the system message
   /set verbose           Show token counts and speed after each reply
-  /set quiet             Stop showing them'''
+  /set quiet             Stop showing them"""
 
-SHOW_HELP = '''Available commands:
+SHOW_HELP = """Available commands:
   /show info         Details of this model
   /show parameters   Parameters of this chat and of the model
-  /show system       The system message'''
+  /show system       The system message"""
 
-SHORTCUTS = '''Available keyboard shortcuts:
+SHORTCUTS = """Available keyboard shortcuts:
   Up / Down          Earlier and later lines of the history (kept between chats)
   Ctrl-R             Search the history
   Ctrl-A / Ctrl-E    Move to the start / end of the line
@@ -60,12 +60,27 @@ SHORTCUTS = '''Available keyboard shortcuts:
   Ctrl-L             Clear the screen
   Tab                Complete a command
   Ctrl-C             Stop the reply, or drop the line being typed
-  Ctrl-D             Leave the chat (on an empty line)'''
+  Ctrl-D             Leave the chat (on an empty line)"""
 
 # What Tab completes: every command as typed in full.
-COMPLETIONS = sorted({"/set parameter ", "/set system ", "/set verbose", "/set quiet", "/show info",
-                      "/show parameters", "/show system", "/clear", "/bye", "/help", "/? shortcuts", "/? set",
-                      "/? show", *(f"/set parameter {name} " for name in PARAMETERS)})
+COMPLETIONS = sorted(
+    {
+        "/set parameter ",
+        "/set system ",
+        "/set verbose",
+        "/set quiet",
+        "/show info",
+        "/show parameters",
+        "/show system",
+        "/clear",
+        "/bye",
+        "/help",
+        "/? shortcuts",
+        "/? set",
+        "/? show",
+        *(f"/set parameter {name} " for name in PARAMETERS),
+    }
+)
 
 
 @dataclass
@@ -112,8 +127,9 @@ def run_command(line: str, conversation: Conversation, backend: ChatBackend, out
 
 def _help(args: list[str]) -> str:
     topic = args[0] if args else ""
-    return {"shortcuts": SHORTCUTS, "set": SET_HELP, "/set": SET_HELP, "show": SHOW_HELP,
-            "/show": SHOW_HELP}.get(topic, HELP)
+    return {"shortcuts": SHORTCUTS, "set": SET_HELP, "/set": SET_HELP, "show": SHOW_HELP, "/show": SHOW_HELP}.get(
+        topic, HELP
+    )
 
 
 def _set(line: str, args: list[str], conversation: Conversation) -> str:
@@ -137,7 +153,7 @@ def _set(line: str, args: list[str], conversation: Conversation) -> str:
 
 def _parameter_list() -> str:
     rows = []
-    for name, (kind, meaning) in PARAMETERS.items():
+    for name, (_kind, meaning) in PARAMETERS.items():
         default = DEFAULTS.get(name)
         shown = f" (default {default})" if default is not None else ""
         rows.append(f"  {name:<18} {meaning}{shown}")
@@ -171,11 +187,15 @@ def _set_parameter(args: list[str], conversation: Conversation) -> str:
 def _show(args: list[str], conversation: Conversation, backend: ChatBackend) -> str:
     what = args[0] if args else ""
     if what == "info":
-        return "\n".join(f"  {title}\n" + "\n".join(f"    {label:<22}{value}" for label, value in rows) + "\n"
-                         for title, rows in backend.info()).rstrip("\n")
+        return "\n".join(
+            f"  {title}\n" + "\n".join(f"    {label:<22}{value}" for label, value in rows) + "\n"
+            for title, rows in backend.info()
+        ).rstrip("\n")
     if what == "parameters":
-        mine = [(name, ", ".join(map(str, value)) if isinstance(value, list) else str(value))
-                for name, value in conversation.params.items()]
+        mine = [
+            (name, ", ".join(map(str, value)) if isinstance(value, list) else str(value))
+            for name, value in conversation.params.items()
+        ]
         lines = ["User defined parameters:", *(f"  {k:<18} {v}" for k, v in mine or [("(none)", "")])]
         lines += ["", "Model defined parameters:", *(f"  {k:<18} {v}" for k, v in backend.model_parameters())]
         others = ", ".join(f"{k} {v}" for k, v in DEFAULTS.items() if k not in conversation.params)

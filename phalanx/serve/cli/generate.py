@@ -29,8 +29,10 @@ def generate_text(served: ServedModel, prompt: str, options: SamplingOptions) ->
     if options.max_tokens is not None and len(ids) + options.max_tokens > context:
         room = context - len(ids)
         hint = f"use --max-new-tokens {room} or less" if room > 0 else "shorten the prompt"
-        raise PhalanxError(f"a prompt of {len(ids)} tokens plus {options.max_tokens} new ones exceeds the model's "
-                           f"max_seq_len {context}; {hint}")
+        raise PhalanxError(
+            f"a prompt of {len(ids)} tokens plus {options.max_tokens} new ones exceeds the model's "
+            f"max_seq_len {context}; {hint}"
+        )
     from phalanx.serve.server import build_engine
 
     engine = build_engine("torch", served, slots=1, max_queue=0, context=None, observer=None)

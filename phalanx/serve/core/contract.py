@@ -141,8 +141,14 @@ class ServingEngine(Protocol):
     @property
     def waiting(self) -> int: ...
 
-    def submit(self, prompt_ids: list[int], options: SamplingOptions, context_limit: int | None = None,
-               loop: asyncio.AbstractEventLoop | None = None, constraint: TokenConstraint | None = None,
-               top_logprobs: int | None = None) -> RequestStream: ...
+    def submit(
+        self,
+        prompt_ids: list[int],
+        options: SamplingOptions,
+        context_limit: int | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        constraint: TokenConstraint | None = None,
+        top_logprobs: int | None = None,
+    ) -> RequestStream: ...
     def start(self) -> None: ...
     def stop(self, timeout: float = 10.0) -> None: ...

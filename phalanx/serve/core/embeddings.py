@@ -56,8 +56,9 @@ def fit_to_context(ids: list[int], context: int, truncate: bool) -> list[int]:
     if len(ids) <= context:
         return ids
     if not truncate:
-        raise InputTooLong(f"an input is {len(ids)} tokens but the context holds {context}; shorten it "
-                           "(or allow truncating it)")
+        raise InputTooLong(
+            f"an input is {len(ids)} tokens but the context holds {context}; shorten it (or allow truncating it)"
+        )
     return ids[:context]
 
 
@@ -69,8 +70,9 @@ def plan_batches(inputs: list[list[int]], max_batch_tokens: int = MAX_BATCH_TOKE
     while at < len(order):
         batch = [order[at]]
         # Sorted by length, so the last one added is the longest so far.
-        while at + len(batch) < len(order) and \
-                (len(batch) + 1) * len(inputs[order[at + len(batch)]]) <= max_batch_tokens:
+        while (
+            at + len(batch) < len(order) and (len(batch) + 1) * len(inputs[order[at + len(batch)]]) <= max_batch_tokens
+        ):
             batch.append(order[at + len(batch)])
         batches.append(batch)
         at += len(batch)
@@ -86,9 +88,9 @@ def embed_batch(model: Transformer, inputs: list[list[int]], batch: list[int], b
     mask_BT = torch.zeros(len(batch), longest, dtype=torch.float32, device=device)
     for row, i in enumerate(batch):
         ids = inputs[i]
-        tokens_BT[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        tokens_BT[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         first = 1 if len(ids) > 1 and ids[0] == bos_id else 0  # BOS is context, not content
-        mask_BT[row, first:len(ids)] = 1.0
+        mask_BT[row, first : len(ids)] = 1.0
     with torch.inference_mode():
         hidden_BTD = model.hidden_states(tokens_BT).float()
         mean_BD = (hidden_BTD * mask_BT[..., None]).sum(1) / mask_BT.sum(1, keepdim=True)
@@ -117,8 +119,13 @@ class _Job:
 class Embedder:
     """Runs the embedding requests on one worker thread of lower priority, a forward of each in turn."""
 
-    def __init__(self, model: Transformer, bos_id: int, max_waiting: int = MAX_WAITING,
-                 poll_seconds: float = DISCONNECT_POLL_SECONDS):
+    def __init__(
+        self,
+        model: Transformer,
+        bos_id: int,
+        max_waiting: int = MAX_WAITING,
+        poll_seconds: float = DISCONNECT_POLL_SECONDS,
+    ):
         self.model, self.bos_id, self.max_waiting, self.poll_seconds = model, bos_id, max_waiting, poll_seconds
         self.forwards = 0  # forwards run so far (a dropped request's are not run)
         self._jobs: deque[_Job] = deque()
@@ -135,8 +142,9 @@ class Embedder:
     def waiting(self) -> int:
         return len(self._jobs)
 
-    async def embed(self, inputs: list[list[int]],
-                    client_gone: Callable[[], Awaitable[bool]] | None = None) -> list[list[float]]:
+    async def embed(
+        self, inputs: list[list[int]], client_gone: Callable[[], Awaitable[bool]] | None = None
+    ) -> list[list[float]]:
         """The inputs' unit vectors, in order. EmbeddingQueueFull at once when the line is full;
         ClientLeft (and the work dropped) when client_gone() says the client has left before the end."""
         if not inputs:
@@ -144,8 +152,10 @@ class Embedder:
         job = _Job(inputs, deque(plan_batches(inputs)), [[] for _ in inputs])
         with self._cond:
             if len(self._jobs) >= self.max_waiting:
-                raise EmbeddingQueueFull(f"{len(self._jobs)} embedding requests are already waiting (the most "
-                                         "this server holds); try again later")
+                raise EmbeddingQueueFull(
+                    f"{len(self._jobs)} embedding requests are already waiting (the most "
+                    "this server holds); try again later"
+                )
             self._jobs.append(job)
             self._cond.notify()
         result = asyncio.wrap_future(job.done)

@@ -10,8 +10,16 @@ from dataclasses import dataclass
 
 # phalanx's defaults where a request (or `phalanx generate`, or `phalanx chat`) leaves an option out:
 # Ollama's (its Modelfile defaults, which are llama.cpp's). The OpenAI front uses OpenAI's own instead.
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1,
-            "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+DEFAULTS = {
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.9,
+    "min_p": 0.0,
+    "repeat_penalty": 1.1,
+    "repeat_last_n": 64,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 # Beyond these the arithmetic breaks rather than the text getting odd: dividing logits by a temperature
@@ -50,22 +58,30 @@ class SamplingOptions:
             if not math.isfinite(getattr(self, name)):
                 raise InvalidOptions(f"{name} must be a finite number")
         checks = [
-            (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
-             f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}"),
+            (
+                self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+                f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}",
+            ),
             (self.top_k >= 0, "top_k must be >= 0 (0: no limit)"),
             (0 <= self.top_p <= 1, "top_p must be between 0 and 1"),
             (0 <= self.min_p <= 1, "min_p must be between 0 and 1"),
-            (MIN_REPEAT_PENALTY <= self.repeat_penalty <= MAX_REPEAT_PENALTY,
-             f"repeat_penalty must be between {MIN_REPEAT_PENALTY:g} and {MAX_REPEAT_PENALTY:g} (1: off)"),
+            (
+                MIN_REPEAT_PENALTY <= self.repeat_penalty <= MAX_REPEAT_PENALTY,
+                f"repeat_penalty must be between {MIN_REPEAT_PENALTY:g} and {MAX_REPEAT_PENALTY:g} (1: off)",
+            ),
             (self.repeat_last_n >= -1, "repeat_last_n must be >= -1 (-1: the whole context, 0: off)"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be between -2 and 2"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be between -2 and 2"),
-            (self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
-             f"seed must be an integer between {MIN_SEED} and {MAX_SEED}"),
+            (
+                self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
+                f"seed must be an integer between {MIN_SEED} and {MAX_SEED}",
+            ),
             (self.max_tokens is None or self.max_tokens >= 0, "the maximum number of new tokens must be >= 0"),
             (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings"),
-            (all(0 < len(s) <= MAX_STOP_LENGTH for s in self.stop),
-             f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long"),
+            (
+                all(0 < len(s) <= MAX_STOP_LENGTH for s in self.stop),
+                f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -74,4 +90,5 @@ class SamplingOptions:
     @property
     def penalises(self) -> bool:
         return self.repeat_last_n != 0 and (
-            self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0)
+            self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        )

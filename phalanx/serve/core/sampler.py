@@ -25,8 +25,10 @@ class SamplingError(ValueError):
     """This request's next-token distribution cannot be sampled (NaN or infinite values)."""
 
 
-BROKEN = ("the next-token distribution holds NaN or infinite values (the model's output, or the sampling "
-          "options, broke the arithmetic)")
+BROKEN = (
+    "the next-token distribution holds NaN or infinite values (the model's output, or the sampling "
+    "options, broke the arithmetic)"
+)
 
 
 class RequestSampler:

@@ -90,8 +90,17 @@ class EngineSteps(Protocol):
 
 
 class SlotScheduler:
-    def __init__(self, steps: EngineSteps, name: str, slots: int, max_queue: int, context: int, eos_id: int,
-                 vocabulary: TokenVocabulary, observer: EngineObserver | None):
+    def __init__(
+        self,
+        steps: EngineSteps,
+        name: str,
+        slots: int,
+        max_queue: int,
+        context: int,
+        eos_id: int,
+        vocabulary: TokenVocabulary,
+        observer: EngineObserver | None,
+    ):
         if slots < 1 or max_queue < 0:
             raise ValueError("an engine needs at least one slot and a queue of at least 0")
         self.steps, self.name = steps, name
@@ -117,9 +126,15 @@ class SlotScheduler:
     def active(self) -> int:
         return len(self.running)
 
-    def submit(self, prompt_ids: list[int], options: SamplingOptions, context_limit: int | None = None,
-               loop: asyncio.AbstractEventLoop | None = None, constraint: TokenConstraint | None = None,
-               top_logprobs: int | None = None) -> RequestStream:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        options: SamplingOptions,
+        context_limit: int | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        constraint: TokenConstraint | None = None,
+        top_logprobs: int | None = None,
+    ) -> RequestStream:
         """Queue a request; raises PromptTooLong or QueueFull at once rather than failing later.
         context_limit (a request's num_ctx) can only narrow the engine's context. constraint: a grammar
         from vocabulary.constraint(), one per request; top_logprobs: None for no log-probabilities, k for
@@ -129,8 +144,10 @@ class SlotScheduler:
         if n == 0:
             raise PromptTooLong("the prompt is empty")
         if n >= context:
-            raise PromptTooLong(f"the prompt is {n} tokens but the context holds {context}, leaving no room "
-                                f"for a reply; shorten it to at most {context - 1} tokens")
+            raise PromptTooLong(
+                f"the prompt is {n} tokens but the context holds {context}, leaving no room "
+                f"for a reply; shorten it to at most {context - 1} tokens"
+            )
         room = context - n
         limit = room if options.max_tokens is None else min(options.max_tokens, room)
         stream = RequestStream(n, loop)
@@ -143,8 +160,10 @@ class SlotScheduler:
                 self._waiting.remove(gone)
                 self.finish_unstarted(gone, "cancelled")
             if len(self.running) + len(self._waiting) >= self.slots + self.max_queue:
-                raise QueueFull(f"all {self.slots} slots are busy and {len(self._waiting)} requests are waiting "
-                                f"(the most the queue holds); try again later")
+                raise QueueFull(
+                    f"all {self.slots} slots are busy and {len(self._waiting)} requests are waiting "
+                    f"(the most the queue holds); try again later"
+                )
             self._waiting.append(request)
             self._cond.notify()
         return stream
@@ -204,16 +223,18 @@ class SlotScheduler:
 
     def token_logprob(self, token: int, logprob: float) -> dict:
         raw = self.vocabulary.token_bytes(token)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0),
-                "bytes": list(raw)}
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0), "bytes": list(raw)}
 
     def logits_logprob_entry(self, token: int, logits_V: torch.Tensor, k: int) -> dict:
         """logprob_entry for engines whose scores are a row's logits: under the model's own distribution."""
         logprobs_V = torch.log_softmax(logits_V.float(), dim=-1)
         entry = self.token_logprob(token, float(logprobs_V[token]))
         top = torch.topk(logprobs_V, min(k, logprobs_V.numel())) if k else None
-        entry["top_logprobs"] = [] if top is None else [
-            self.token_logprob(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        entry["top_logprobs"] = (
+            []
+            if top is None
+            else [self.token_logprob(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        )
         return entry
 
     def finish(self, run: Running, reason: str, error: str | None = None) -> None:
@@ -228,8 +249,18 @@ class SlotScheduler:
         self.steps.release(run.slot)
         with self._cond:
             self.running.pop(run.slot, None)
-        stream._deliver(Finish(reason, len(run.request.prompt_ids), run.generated, run.request.submitted_at,
-                               run.prefill_started_at, run.first_token_at, time.perf_counter(), error))
+        stream._deliver(
+            Finish(
+                reason,
+                len(run.request.prompt_ids),
+                run.generated,
+                run.request.submitted_at,
+                run.prefill_started_at,
+                run.first_token_at,
+                time.perf_counter(),
+                error,
+            )
+        )
 
     def ends_before_start(self, request: Request, vocab_size: int | None = None) -> bool:
         """End a joining request that needs no slot: cancelled while it waited, no room for a token, or
@@ -239,18 +270,20 @@ class SlotScheduler:
             self.finish_unstarted(request, "cancelled")
         elif request.limit == 0:
             self.finish_unstarted(request, "length")
-        elif vocab_size is not None and (bad := next((t for t in request.prompt_ids if not 0 <= t < vocab_size),
-                                                      None)) is not None:
-            self.finish_unstarted(request, "error", f"generation failed: token id {bad} is not in the model's "
-                                                    f"vocabulary of {vocab_size}")
+        elif (
+            vocab_size is not None
+            and (bad := next((t for t in request.prompt_ids if not 0 <= t < vocab_size), None)) is not None
+        ):
+            self.finish_unstarted(
+                request, "error", f"generation failed: token id {bad} is not in the model's vocabulary of {vocab_size}"
+            )
         else:
             return False
         return True
 
     def finish_unstarted(self, request: Request, reason: str, error: str | None = None) -> None:
         now = time.perf_counter()
-        request.stream._deliver(Finish(reason, len(request.prompt_ids), 0, request.submitted_at, now, None, now,
-                                       error))
+        request.stream._deliver(Finish(reason, len(request.prompt_ids), 0, request.submitted_at, now, None, now, error))
 
     def _deliver(self, run: Running, piece: str) -> None:
         """Hand out a piece of text, with the log-probabilities of the tokens up to it when asked for."""
@@ -327,9 +360,15 @@ class ScheduledEngine:
     def waiting(self) -> int:
         return self.scheduler.waiting
 
-    def submit(self, prompt_ids: list[int], options: SamplingOptions, context_limit: int | None = None,
-               loop: asyncio.AbstractEventLoop | None = None, constraint: TokenConstraint | None = None,
-               top_logprobs: int | None = None) -> RequestStream:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        options: SamplingOptions,
+        context_limit: int | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        constraint: TokenConstraint | None = None,
+        top_logprobs: int | None = None,
+    ) -> RequestStream:
         return self.scheduler.submit(prompt_ids, options, context_limit, loop, constraint, top_logprobs)
 
     def start(self) -> None:

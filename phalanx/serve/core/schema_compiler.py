@@ -89,13 +89,21 @@ def _worker(memory_limit: int) -> None:
 class SchemaCompiler:
     """The server's one schema worker (started on first use) and the queue in front of it."""
 
-    def __init__(self, tokenizer_json: str, eos_id: int, time_limit_s: float = TIME_LIMIT_S,
-                 memory_limit: int = MEMORY_LIMIT_BYTES):
+    def __init__(
+        self,
+        tokenizer_json: str,
+        eos_id: int,
+        time_limit_s: float = TIME_LIMIT_S,
+        memory_limit: int = MEMORY_LIMIT_BYTES,
+    ):
         self._start_line = json.dumps({"tokenizer": tokenizer_json, "eos_id": eos_id}) + "\n"
         # A model writes its special tokens' strings only as the markers themselves, never as text, so a
         # schema asking for such a string as text ({"const": "<|end_of_text|>"}) cannot be met.
-        self._specials = [json.dumps(t["content"])[1:-1] for t in json.loads(tokenizer_json).get("added_tokens", [])
-                          if t.get("special")]
+        self._specials = [
+            json.dumps(t["content"])[1:-1]
+            for t in json.loads(tokenizer_json).get("added_tokens", [])
+            if t.get("special")
+        ]
         self.time_limit_s, self._memory_limit = time_limit_s, memory_limit
         self._lock = asyncio.Lock()
         self._process: asyncio.subprocess.Process | None = None
@@ -115,8 +123,9 @@ class SchemaCompiler:
         if len(text) > MAX_SCHEMA_BYTES:
             raise FormatError(f"the JSON schema is {len(text)} bytes; at most {MAX_SCHEMA_BYTES} are compiled")
         if (special := next((s for s in self._specials if s in text), None)) is not None:
-            raise FormatError(f"the JSON schema holds the special-token string {special!r}, which the model cannot "
-                              "write as text")
+            raise FormatError(
+                f"the JSON schema holds the special-token string {special!r}, which the model cannot write as text"
+            )
         if (cached := self._cache.get(text)) is not None:
             self._cache.move_to_end(text)
             return cached
@@ -141,8 +150,9 @@ class SchemaCompiler:
                 left = deadline - loop.time()
                 if left <= 0:
                     await self._stop_worker()
-                    raise FormatError(f"compiling the JSON schema took over {self.time_limit_s:g} s; "
-                                      "send a smaller schema")
+                    raise FormatError(
+                        f"compiling the JSON schema took over {self.time_limit_s:g} s; send a smaller schema"
+                    )
                 await asyncio.wait({reading}, timeout=min(DISCONNECT_POLL_S, left))
                 if not reading.done() and await client_gone():
                     await self._stop_worker()
@@ -152,8 +162,10 @@ class SchemaCompiler:
             reading.cancel()
         if not line:  # the worker died: a stack overflow (SIGSEGV) or its memory budget
             await self._stop_worker()
-            raise FormatError("the JSON schema could not be compiled: the compiler ran out of stack or memory "
-                              "(too deeply nested, too many $refs, or too large)")
+            raise FormatError(
+                "the JSON schema could not be compiled: the compiler ran out of stack or memory "
+                "(too deeply nested, too many $refs, or too large)"
+            )
         status, payload = json.loads(line)
         if status != "ok":
             raise FormatError(payload)
@@ -166,14 +178,20 @@ class SchemaCompiler:
         # A fresh interpreter that imports only llguidance: not a fork of the server (its threads, its
         # model), and not multiprocessing's spawn, which would import the server's main module again.
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "phalanx.serve.core.schema_compiler", str(self._memory_limit),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=64 << 20)
+            sys.executable,
+            "-m",
+            "phalanx.serve.core.schema_compiler",
+            str(self._memory_limit),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=64 << 20,
+        )
         self._process = process
         self.workers_started += 1
         process.stdin.write(self._start_line.encode())
         try:
             ready = await asyncio.wait_for(process.stdout.readline(), 60)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             ready = b""
         if not ready:
             await self._stop_worker()

@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ class ServedModel:
     loaded: LoadedModel
     source: Path
     load_seconds: float
-    loaded_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    loaded_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     @property
     def chat_stops(self) -> list[str]:
@@ -64,6 +64,7 @@ class ServedModel:
         """Token ids of the conversation rendered with the chat template, ready for the assistant's turn.
         Special-token strings in what users wrote stay text: only the template's markers are control
         tokens (phalanx/data/prompt_tokens.py)."""
+
         def render(shown: list[dict[str, Any]]) -> str:
             try:
                 return render_chat(shown, bos_token=BOS, template=self.loaded.chat_template)
@@ -80,9 +81,14 @@ class ServedModel:
 
     def details(self) -> dict[str, Any]:
         """Ollama's `details` object."""
-        return {"parent_model": "", "format": self.loaded.format, "family": "llama", "families": ["llama"],
-                "parameter_size": _human_count(self.parameters),
-                "quantization_level": _DTYPE_NAMES.get(next(self.loaded.model.parameters()).dtype, "unknown")}
+        return {
+            "parent_model": "",
+            "format": self.loaded.format,
+            "family": "llama",
+            "families": ["llama"],
+            "parameter_size": _human_count(self.parameters),
+            "quantization_level": _DTYPE_NAMES.get(next(self.loaded.model.parameters()).dtype, "unknown"),
+        }
 
 
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}  # as GGUF names them
@@ -95,8 +101,9 @@ def _human_count(n: int) -> str:
     return str(n)
 
 
-def load_served_model(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                      name: str | None = None) -> ServedModel:
+def load_served_model(
+    path: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, name: str | None = None
+) -> ServedModel:
     """A run directory (its newest checkpoint), a checkpoint directory, an HF export or a GGUF export."""
     started = time.perf_counter()
     loaded = load_model(path, device)

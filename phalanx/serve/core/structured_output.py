@@ -99,8 +99,9 @@ class TokenConstraint:
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise ConstraintError(f"token {token} does not fit the requested format: "
-                                  f"{first_line(self.matcher.get_error())}")
+            raise ConstraintError(
+                f"token {token} does not fit the requested format: {first_line(self.matcher.get_error())}"
+            )
         self._allowed = None
 
     @property
@@ -112,9 +113,6 @@ class TokenConstraint:
             return False
         allowed = self.allowed(torch.device("cpu"))
         return bool(allowed[self.eos_id]) and int(allowed.sum()) == 1
-
-
-
 
 
 def ollama_format_schema(fmt: Any) -> dict[str, Any] | None:

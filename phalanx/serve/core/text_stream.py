@@ -28,8 +28,8 @@ class IncrementalText:
     def push(self, token: int) -> str:
         """The new complete text after `token` ('' while a character is still incomplete)."""
         self.ids.append(token)
-        before = self._decode(self.ids[self.start:self.done])
-        after = self._decode(self.ids[self.start:])
+        before = self._decode(self.ids[self.start : self.done])
+        after = self._decode(self.ids[self.start :])
         if after.endswith(REPLACEMENT) and len(self.ids) - self.done < MAX_HELD_TOKENS:
             return ""
         return self._advance(before, after)
@@ -38,11 +38,11 @@ class IncrementalText:
         """Whatever is still held (at the end of generation), invalid bytes shown as U+FFFD."""
         if self.done == len(self.ids):
             return ""
-        return self._advance(self._decode(self.ids[self.start:self.done]), self._decode(self.ids[self.start:]))
+        return self._advance(self._decode(self.ids[self.start : self.done]), self._decode(self.ids[self.start :]))
 
     def _advance(self, before: str, after: str) -> str:
         self.start, self.done = self.done, len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
 
 class StopMatcher:
@@ -64,10 +64,10 @@ class StopMatcher:
         hits = [i for i in (text.find(stop) for stop in self.stops) if i >= 0]
         if hits:
             self.stopped, self.held = True, ""
-            return text[:min(hits)]
+            return text[: min(hits)]
         keep = self._partial_stop_length(text)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
 
     def flush(self) -> str:
         text, self.held = self.held, ""

@@ -51,8 +51,10 @@ def quantize_linear_weights(model: nn.Module) -> int:
     in place; how many were swapped. One clear error where the option cannot run."""
     weight = next(model.parameters())
     if weight.device.type != "cpu" or weight.dtype is not torch.bfloat16 or _int8_mm is None:
-        raise PhalanxError(f"--quantize int8 runs on CPU with bfloat16 activations (--dtype auto or bfloat16), "
-                          f"not {weight.dtype} on {weight.device.type}")
+        raise PhalanxError(
+            f"--quantize int8 runs on CPU with bfloat16 activations (--dtype auto or bfloat16), "
+            f"not {weight.dtype} on {weight.device.type}"
+        )
     swapped, checked = 0, set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -62,8 +64,10 @@ def quantize_linear_weights(model: nn.Module) -> int:
             shape = (child.in_features, child.out_features)
             if shape not in checked:
                 if not rows_agree(layer):
-                    raise PhalanxError("--quantize int8: this CPU's int8 kernel gives a row other bits in a batch "
-                                      "than alone, so a request's output could depend on its neighbours")
+                    raise PhalanxError(
+                        "--quantize int8: this CPU's int8 kernel gives a row other bits in a batch "
+                        "than alone, so a request's output could depend on its neighbours"
+                    )
                 checked.add(shape)
             setattr(parent, name, layer)
             swapped += 1

@@ -31,8 +31,10 @@ def _llama_cpp():
     try:
         import llama_cpp
     except ImportError as e:  # a dependency, but a build can fail on an odd platform
-        raise PhalanxError(f"the llama.cpp engine needs llama-cpp-python (pip install 'phalanx[llamacpp]'), which "
-                           f"does not import here: {e}") from e
+        raise PhalanxError(
+            f"the llama.cpp engine needs llama-cpp-python (pip install 'phalanx[llamacpp]'), which "
+            f"does not import here: {e}"
+        ) from e
     return llama_cpp
 
 
@@ -68,15 +70,26 @@ def _init_backend(llama_cpp) -> None:
 
 
 class LlamaCppContext:
-    def __init__(self, gguf_path: Path, sequences: int, context: int | None, threads: int, kv_dtype: str = "f16",
-                 batch_tokens: int = 512, use_extra_buffers: bool = False, unified_kv: bool = False,
-                 flash_attention: bool | None = None):
+    def __init__(
+        self,
+        gguf_path: Path,
+        sequences: int,
+        context: int | None,
+        threads: int,
+        kv_dtype: str = "f16",
+        batch_tokens: int = 512,
+        use_extra_buffers: bool = False,
+        unified_kv: bool = False,
+        flash_attention: bool | None = None,
+    ):
         llama_cpp = self._lib = _llama_cpp()
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (got {kv_dtype!r})")
         if not 1 <= sequences <= llama_cpp.llama_max_parallel_sequences():
-            raise ValueError(f"llama.cpp runs 1 to {llama_cpp.llama_max_parallel_sequences()} parallel sequences "
-                             f"(asked for {sequences})")
+            raise ValueError(
+                f"llama.cpp runs 1 to {llama_cpp.llama_max_parallel_sequences()} parallel sequences "
+                f"(asked for {sequences})"
+            )
         _init_backend(llama_cpp)
         self._model = self._ctx = self._batch = None
         model_params = llama_cpp.llama_model_default_params()
@@ -105,23 +118,29 @@ class LlamaCppContext:
             params.kv_unified = unified_kv
             params.n_batch = params.n_ubatch = self.batch_tokens
             params.n_threads = params.n_threads_batch = threads
-            params.type_k = params.type_v = (llama_cpp.GGML_TYPE_F16 if kv_dtype == "f16"
-                                             else llama_cpp.GGML_TYPE_F32)
+            params.type_k = params.type_v = llama_cpp.GGML_TYPE_F16 if kv_dtype == "f16" else llama_cpp.GGML_TYPE_F32
             if flash_attention is None:
                 # llama.cpp's CPU flash-attention kernel rounds through f16 (logits off by ~2e-3 even with an
                 # f32 cache, measured; 5e-6 without it): an f32 cache asks for f32 arithmetic, so it goes off;
                 # otherwise llama.cpp decides (its "auto").
-                fa_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED if kv_dtype == "f32"
-                           else llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO)
+                fa_type = (
+                    llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+                    if kv_dtype == "f32"
+                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+                )
             else:
-                fa_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention
-                           else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+                fa_type = (
+                    llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                    if flash_attention
+                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+                )
             params.flash_attn_type = fa_type
             params.no_perf = True
             self._ctx = llama_cpp.llama_init_from_model(self._model, params)
             if not self._ctx:
-                raise PhalanxError(f"llama.cpp could not create a context of {sequences} x {self.context} tokens "
-                                   f"for {gguf_path}")
+                raise PhalanxError(
+                    f"llama.cpp could not create a context of {sequences} x {self.context} tokens for {gguf_path}"
+                )
             self._memory = llama_cpp.llama_get_memory(self._ctx)
             self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1)
         except BaseException:

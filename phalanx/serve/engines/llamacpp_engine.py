@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -80,10 +80,21 @@ class _Sequence:
 class LlamaCppEngine(ScheduledEngine):
     prefill_budget = float("inf")  # prompts are fed in chunks by the steps, whatever joins at a boundary
 
-    def __init__(self, gguf_path: Path | str, tokenizer: Tokenizer, slots: int = 8, max_queue: int = 64,
-                 context: int | None = None, threads: int | None = None,
-                 observer: EngineObserver | None = None, kv_dtype: str = "f16", batch_tokens: int = 512,
-                 use_extra_buffers: bool = False, unified_kv: bool = False, flash_attention: bool | None = None):
+    def __init__(
+        self,
+        gguf_path: Path | str,
+        tokenizer: Tokenizer,
+        slots: int = 8,
+        max_queue: int = 64,
+        context: int | None = None,
+        threads: int | None = None,
+        observer: EngineObserver | None = None,
+        kv_dtype: str = "f16",
+        batch_tokens: int = 512,
+        use_extra_buffers: bool = False,
+        unified_kv: bool = False,
+        flash_attention: bool | None = None,
+    ):
         """gguf_path: a phalanx GGUF export (its vocabulary is `tokenizer`'s). context: tokens per slot
         (default and most: the model's context_length). threads: llama.cpp's (default: torch's, which
         `phalanx serve --threads` sets). kv_dtype: the cache's element type, f16 (llama.cpp's default) or
@@ -99,20 +110,32 @@ class LlamaCppEngine(ScheduledEngine):
         self.slots, self.max_queue = slots, max_queue
         self.device = CPU
         self.threads = threads or torch.get_num_threads() or os.cpu_count() or 1
-        self.llama = LlamaCppContext(Path(gguf_path), slots, context, self.threads, kv_dtype, batch_tokens,
-                                     use_extra_buffers, unified_kv, flash_attention)
+        self.llama = LlamaCppContext(
+            Path(gguf_path),
+            slots,
+            context,
+            self.threads,
+            kv_dtype,
+            batch_tokens,
+            use_extra_buffers,
+            unified_kv,
+            flash_attention,
+        )
         if (self.llama.bos_id, self.llama.eos_id) != (self.bos_id, self.eos_id):
             self.llama.close()
-            raise PhalanxError(f"{gguf_path} has begin/end-of-text tokens {self.llama.bos_id}/{self.llama.eos_id}, "
-                               f"the tokenizer {self.bos_id}/{self.eos_id}: it was not exported with this tokenizer")
+            raise PhalanxError(
+                f"{gguf_path} has begin/end-of-text tokens {self.llama.bos_id}/{self.llama.eos_id}, "
+                f"the tokenizer {self.bos_id}/{self.eos_id}: it was not exported with this tokenizer"
+            )
         self.context = self.llama.context
         self.vocab_size = self.llama.vocab_size
         # Prompt chunks start at multiples of this, whatever the load (see the module's docstring).
         self.prefill_chunk = self.llama.batch_tokens - slots if self.llama.batch_tokens > slots else 1
         self.observer = observer
         self.vocabulary = TokenVocabulary(tokenizer, self.eos_id, self.vocab_size)
-        self.scheduler = SlotScheduler(self, "phalanx-llamacpp-engine", slots, max_queue, self.context, self.eos_id,
-                                       self.vocabulary, observer)
+        self.scheduler = SlotScheduler(
+            self, "phalanx-llamacpp-engine", slots, max_queue, self.context, self.eos_id, self.vocabulary, observer
+        )
 
     # ---- the caller's side (the rest of ServingEngine is ScheduledEngine's) ----
 
@@ -145,9 +168,15 @@ class LlamaCppEngine(ScheduledEngine):
         if self.scheduler.ends_before_start(request, self.vocab_size):
             return
         try:
-            seq = _Sequence(request, slot, RequestSampler(request.options, request.prompt_ids, self.context, CPU),
-                            IncrementalText(self.tokenizer), StopMatcher(request.options.stop), time.perf_counter(),
-                            logprobs=None if request.top_logprobs is None else [])
+            seq = _Sequence(
+                request,
+                slot,
+                RequestSampler(request.options, request.prompt_ids, self.context, CPU),
+                IncrementalText(self.tokenizer),
+                StopMatcher(request.options.stop),
+                time.perf_counter(),
+                logprobs=None if request.top_logprobs is None else [],
+            )
         except Exception as e:  # options no validation caught (a seed torch cannot take, say)
             log.exception("request set-up failed")
             return self.scheduler.finish_unstarted(request, "error", f"generation failed: {e}")

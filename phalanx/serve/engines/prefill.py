@@ -76,7 +76,7 @@ def prefill_rows_agree(model: Transformer, rows: int = 320) -> bool:
         seen.add(linear.weight.shape)
         x_1MK = torch.randn(1, rows, linear.in_features, generator=generator).to(linear.weight.dtype)
         full = linear(x_1MK)
-        if not all(torch.equal(linear(x_1MK[:, a:a + m]), full[:, a:a + m]) for a, m in _SLICES):
+        if not all(torch.equal(linear(x_1MK[:, a : a + m]), full[:, a : a + m]) for a, m in _SLICES):
             return False
     return True
 
@@ -94,8 +94,9 @@ def prefill_together(model: Transformer, prompts: list[list[int]], cache: KVCach
     x_1TD = model.tok_embeddings(tokens_1T)
     rope = rope_rotation(model.rope_cos[positions_T], model.rope_sin[positions_T], rope_dtype(x_1TD))
     for i, block in enumerate(model.layers):
-        h_1TD = x_1TD + _attend_each(block.attention, block.attention_norm(x_1TD), rope, lengths, cache.k[i],
-                                     cache.v[i], rows)
+        h_1TD = x_1TD + _attend_each(
+            block.attention, block.attention_norm(x_1TD), rope, lengths, cache.k[i], cache.v[i], rows
+        )
         x_1TD = h_1TD + block.feed_forward(block.ffn_norm(h_1TD))
     last = torch.tensor(lengths, device=device).cumsum(0) - 1
     return model.output(model.norm(x_1TD[:, last]))[0]
@@ -111,15 +112,22 @@ def _attend_each(attention: Attention, x_1TD, rope, lengths, cache_k, cache_v, r
     outs, start = [], 0
     for n, row in zip(lengths, rows):
         end = start + n
-        keys, values = cache_k[row:row + 1], cache_v[row:row + 1]
+        keys, values = cache_k[row : row + 1], cache_v[row : row + 1]
         keys[:, :, :n] = k_1KTE[:, :, start:end]
         values[:, :, :n] = v_1KTE[:, :, start:end]
         # is_causal only where there is a triangle: a one-token prompt's lone query sees its one key, as
         # the model's forward does it (T == 1: not causal).
         # A server's float32 cache holds a bf16 model's keys exactly (torch_engine.py): cast them back.
         dtype = q_1HTE.dtype
-        outs.append(F.scaled_dot_product_attention(q_1HTE[:, :, start:end], keys[:, :, :n].to(dtype),
-                                                   values[:, :, :n].to(dtype), is_causal=n > 1, enable_gqa=True))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q_1HTE[:, :, start:end],
+                keys[:, :, :n].to(dtype),
+                values[:, :, :n].to(dtype),
+                is_causal=n > 1,
+                enable_gqa=True,
+            )
+        )
         start = end
     return attention.wo(torch.cat(outs, dim=2).transpose(1, 2).reshape(1, T, -1))
 

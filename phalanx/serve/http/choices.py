@@ -16,11 +16,11 @@ from typing import Any
 
 from fastapi import Request
 
-from phalanx.serve.core.contract import ServingEngine, RequestStream
-from phalanx.serve.http.common import ApiError, collect, submit
+from phalanx.serve.core.contract import RequestStream, ServingEngine
 from phalanx.serve.core.options import MAX_SEED, SamplingOptions
 from phalanx.serve.core.schema_compiler import ClientGone, FormatError
 from phalanx.serve.core.structured_output import TokenConstraint
+from phalanx.serve.http.common import ApiError, collect, submit
 
 
 def sample_options(options: SamplingOptions, index: int) -> SamplingOptions:
@@ -37,8 +37,9 @@ def _constraints(engine: ServingEngine, grammar: str, n: int, param: str) -> lis
         raise ApiError(400, str(e), param=param) from None
 
 
-async def build_constraints(engine: ServingEngine, request: Request, schema: dict[str, Any] | None, n: int = 1,
-                            param: str = "format") -> list[TokenConstraint | None]:
+async def build_constraints(
+    engine: ServingEngine, request: Request, schema: dict[str, Any] | None, n: int = 1, param: str = "format"
+) -> list[TokenConstraint | None]:
     """One grammar state per sample. The schema compiles in the vocabulary's worker process (it may
     crash, or take long: see serve/core/schema_compiler.py); the matchers are built in a worker thread, since the
     first one also reads the vocabulary and must not hold up the event loop's other requests."""
@@ -53,16 +54,31 @@ async def build_constraints(engine: ServingEngine, request: Request, schema: dic
     return list(await asyncio.to_thread(_constraints, engine, grammar, n, param))
 
 
-def submit_samples(engine: ServingEngine, request: Request, prompt_ids: list[int], options: SamplingOptions,
-                   constraints: list[TokenConstraint | None], top_logprobs: int | None = None,
-                   context_limit: int | None = None) -> list[RequestStream]:
+def submit_samples(
+    engine: ServingEngine,
+    request: Request,
+    prompt_ids: list[int],
+    options: SamplingOptions,
+    constraints: list[TokenConstraint | None],
+    top_logprobs: int | None = None,
+    context_limit: int | None = None,
+) -> list[RequestStream]:
     """One engine request per constraint (n samples: n of them, None without a format); all or none (a
     refusal cancels those already queued). Synchronous: nothing else runs between the submits."""
     streams: list[RequestStream] = []
     try:
         for i, constraint in enumerate(constraints):
-            streams.append(submit(engine, prompt_ids, sample_options(options, i), request,
-                                  context_limit=context_limit, constraint=constraint, top_logprobs=top_logprobs))
+            streams.append(
+                submit(
+                    engine,
+                    prompt_ids,
+                    sample_options(options, i),
+                    request,
+                    context_limit=context_limit,
+                    constraint=constraint,
+                    top_logprobs=top_logprobs,
+                )
+            )
     except BaseException:
         for stream in streams:
             stream.cancel()

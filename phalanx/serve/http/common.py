@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.requests import ClientDisconnect
 
 from phalanx.http_guard import BodyTooLarge, read_body_within
-from phalanx.serve.core.contract import ServingEngine, PromptTooLong, QueueFull, RequestStream
+from phalanx.serve.core.contract import PromptTooLong, QueueFull, RequestStream, ServingEngine
 from phalanx.serve.core.options import InvalidOptions, SamplingOptions
 
 MAX_BODY_BYTES = 1 << 20
@@ -47,9 +47,14 @@ def error_response(path: str, error: ApiError, headers: dict[str, str] | None = 
     if error.status == 503:
         headers = {"Retry-After": "1", **(headers or {})}
     if is_openai_path(path):
-        body: dict[str, Any] = {"error": {"message": error.message,
-                                          "type": "server_error" if error.status >= 500 else "invalid_request_error",
-                                          "param": error.param, "code": error.code}}
+        body: dict[str, Any] = {
+            "error": {
+                "message": error.message,
+                "type": "server_error" if error.status >= 500 else "invalid_request_error",
+                "param": error.param,
+                "code": error.code,
+            }
+        }
     else:
         body = {"error": error.message}
     return JSONResponse(body, status_code=error.status, headers=headers)
@@ -113,9 +118,11 @@ def _check_text(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         bad = text[e.start]
-        raise ApiError(400, f"the request body holds a lone surrogate (\\u{ord(bad):04x}) in a string: not valid "
-                            "Unicode text; send each character whole (a surrogate pair, or the character itself)"
-                       ) from None
+        raise ApiError(
+            400,
+            f"the request body holds a lone surrogate (\\u{ord(bad):04x}) in a string: not valid "
+            "Unicode text; send each character whole (a surrogate pair, or the character itself)",
+        ) from None
 
 
 class StrictModel(BaseModel):
@@ -148,9 +155,17 @@ def parse_body(model: type[M], data: dict[str, Any]) -> M:
 
 def _field_path(loc: tuple) -> str:
     # pydantic puts union members and model names in the location ('stop', 'list[str]'); keep field names.
-    parts = [str(p) for p in loc
-             if isinstance(p, int) or (isinstance(p, str) and "[" not in p and not p[:1].isupper()
-                                       and p not in ("str", "int", "float", "bool", "dict", "list", "none"))]
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int)
+        or (
+            isinstance(p, str)
+            and "[" not in p
+            and not p[:1].isupper()
+            and p not in ("str", "int", "float", "bool", "dict", "list", "none")
+        )
+    ]
     return ".".join(parts)
 
 
@@ -188,13 +203,20 @@ def sampling_options(**kwargs: Any) -> SamplingOptions:
         raise ApiError(400, str(e)) from None
 
 
-def submit(engine: ServingEngine, prompt_ids: list[int], options: SamplingOptions, request: Request,
-           context_limit: int | None = None, **extras: Any) -> RequestStream:
+def submit(
+    engine: ServingEngine,
+    prompt_ids: list[int],
+    options: SamplingOptions,
+    request: Request,
+    context_limit: int | None = None,
+    **extras: Any,
+) -> RequestStream:
     """Queue a request on the engine, its refusals as HTTP errors (never a truncated prompt). extras: the
     engine's constraint and top_logprobs."""
     try:
-        return engine.submit(prompt_ids, options, context_limit=context_limit, loop=asyncio.get_running_loop(),
-                             **extras)
+        return engine.submit(
+            prompt_ids, options, context_limit=context_limit, loop=asyncio.get_running_loop(), **extras
+        )
     except PromptTooLong as e:
         raise ApiError(400, str(e), code="context_length_exceeded", param="messages") from None
     except QueueFull as e:

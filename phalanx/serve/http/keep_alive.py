@@ -19,15 +19,15 @@ import gc
 import re
 import time
 from contextlib import asynccontextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import torch
 
 from phalanx.run.model_loader import load_model
-from phalanx.serve.core.contract import ServingEngine, RequestStream
-from phalanx.serve.http.common import ApiError
+from phalanx.serve.core.contract import RequestStream, ServingEngine
 from phalanx.serve.core.served import ServedModel
+from phalanx.serve.http.common import ApiError
 
 POLL_SECONDS = 0.1
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -50,8 +50,11 @@ def parse_keep_alive(value: Any) -> float | None:
         except ValueError:
             parts = _GO_DURATION.findall(body)
             if not body or "".join(n + u for n, u in parts) != body:
-                raise ApiError(400, f"invalid 'keep_alive' {text!r}: give a duration such as \"5m\", \"1h30m\", "
-                                    "\"10s\", or a number of seconds (negative: keep loaded)") from None
+                raise ApiError(
+                    400,
+                    f'invalid \'keep_alive\' {text!r}: give a duration such as "5m", "1h30m", '
+                    '"10s", or a number of seconds (negative: keep loaded)',
+                ) from None
             seconds = sign * sum(float(n) * _GO_UNITS[u] for n, u in parts)
     return None if seconds < 0 else seconds
 
@@ -93,8 +96,9 @@ class ModelResidency:
                     try:
                         await asyncio.to_thread(self._load)
                     except Exception as e:  # the checkpoint went away or broke since the server started
-                        raise ApiError(503, f"the model's weights could not be loaded again: {e}",
-                                       code="model_unavailable") from None
+                        raise ApiError(
+                            503, f"the model's weights could not be loaded again: {e}", code="model_unavailable"
+                        ) from None
                     seconds = time.perf_counter() - started
         self._idle_since = None
         self._start_watching()
@@ -128,7 +132,7 @@ class ModelResidency:
         if self.idle_limit is None:
             return None
         idle_for = 0.0 if self._idle_since is None else time.monotonic() - self._idle_since
-        return datetime.now(timezone.utc) + timedelta(seconds=max(0.0, self.idle_limit - idle_for))
+        return datetime.now(UTC) + timedelta(seconds=max(0.0, self.idle_limit - idle_for))
 
     @property
     def busy(self) -> bool:
@@ -159,8 +163,11 @@ class ModelResidency:
             now = time.monotonic()
             if self._idle_since is None:
                 self._idle_since = now
-            if self.idle_limit is not None and now - self._idle_since >= self.idle_limit and \
-                    not (self._lock and self._lock.locked()):
+            if (
+                self.idle_limit is not None
+                and now - self._idle_since >= self.idle_limit
+                and not (self._lock and self._lock.locked())
+            ):
                 self._unload()
 
     def _unload(self) -> None:

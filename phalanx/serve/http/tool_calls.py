@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 TOOL_RESULT_ROLE = "ipython"  # Llama 3.1's role for what a tool returned
-CALL_INSTRUCTIONS = ("You can call the tools below. To call one, reply with only a JSON object "
-                     '{"name": the tool\'s name, "parameters": an object of its arguments}.')
+CALL_INSTRUCTIONS = (
+    "You can call the tools below. To call one, reply with only a JSON object "
+    '{"name": the tool\'s name, "parameters": an object of its arguments}.'
+)
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open a call with it
 
 
@@ -45,8 +47,11 @@ class ToolCall:
     arguments: dict[str, Any]
 
     def openai(self) -> dict[str, Any]:
-        return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+        return {
+            "id": f"call_{secrets.token_hex(12)}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+        }
 
     def ollama(self) -> dict[str, Any]:
         return {"function": {"name": self.name, "arguments": self.arguments}}
@@ -56,9 +61,12 @@ def read_tools(raw: list[Any] | None) -> list[Tool]:
     """Both APIs' tool lists: [{"type": "function", "function": {"name", "description", "parameters"}}]."""
     tools = []
     for i, item in enumerate(raw or []):
-        if not isinstance(item, dict) or item.get("type", "function") != "function" \
-                or not isinstance(item.get("function"), dict):
-            raise ToolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        if (
+            not isinstance(item, dict)
+            or item.get("type", "function") != "function"
+            or not isinstance(item.get("function"), dict)
+        ):
+            raise ToolError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}')
         function = item["function"]
         name, parameters = function.get("name"), function.get("parameters") or {"type": "object"}
         if not isinstance(name, str) or not name:
@@ -89,8 +97,7 @@ def template_messages(messages: list[dict[str, Any]], tools: list[Tool]) -> list
             content = (content + "\n" if content else "") + call_text(calls)
         out.append({"role": role, "content": content})
     if tools:
-        listing = CALL_INSTRUCTIONS + "\n" + "\n".join(json.dumps(t.definition(), ensure_ascii=False)
-                                                        for t in tools)
+        listing = CALL_INSTRUCTIONS + "\n" + "\n".join(json.dumps(t.definition(), ensure_ascii=False) for t in tools)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{listing}"}
         else:
@@ -100,8 +107,15 @@ def template_messages(messages: list[dict[str, Any]], tools: list[Tool]) -> list
 
 def call_schema(tools: list[Tool]) -> dict[str, Any]:
     """The JSON schema of one call to any of `tools`: what forcing a call holds the output to."""
-    options = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
-                "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
@@ -169,12 +183,14 @@ def forced_tools(tool_choice: Any, tools: list[Tool]) -> list[Tool] | None:
         raise ToolError("tool_choice needs tools")
     if tool_choice == "required":
         return tools
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
-            and isinstance(tool_choice.get("function"), dict):
+    if (
+        isinstance(tool_choice, dict)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), dict)
+    ):
         name = tool_choice["function"].get("name")
         chosen = [t for t in tools if t.name == name]
         if not chosen:
             raise ToolError(f"tool_choice names the function '{name}', which is not among the tools")
         return chosen
-    raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                    '{"name": ...}}')
+    raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')

@@ -34,7 +34,8 @@ def upgrade() -> None:
         sa.Column("error", sa.Text),
     )
     run_id = lambda nullable=False: sa.Column(  # noqa: E731
-        "run_id", sa.Integer, sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=nullable)
+        "run_id", sa.Integer, sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=nullable
+    )
     op.create_table(
         "run_nodes",
         sa.Column("run_id", sa.Integer, sa.ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
@@ -47,9 +48,22 @@ def upgrade() -> None:
         run_id(),
         sa.Column("step", sa.Integer, nullable=False),
         sa.Column("time", sa.Float, nullable=False),
-        *(sa.Column(name, sa.Float) for name in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mfu",
-                                                 "achieved_tflops", "peak_mem_gib", "step_seconds",
-                                                 "compute_seconds", "eval_seconds")),
+        *(
+            sa.Column(name, sa.Float)
+            for name in (
+                "loss",
+                "val_loss",
+                "lr",
+                "grad_norm",
+                "tokens_per_sec",
+                "mfu",
+                "achieved_tflops",
+                "peak_mem_gib",
+                "step_seconds",
+                "compute_seconds",
+                "eval_seconds",
+            )
+        ),
         sa.Column("skipped", sa.String(40)),
     )
     op.create_index("ix_steps_run_step", "steps", ["run_id", "step"])

@@ -27,7 +27,8 @@ def upgrade() -> None:
         batch.add_column(sa.Column("tokens_seen", sa.Float))
     op.create_index("ix_steps_run_time", "steps", ["run_id", "time"])
     run_id = lambda: sa.Column(  # noqa: E731
-        "run_id", sa.Integer, sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False)
+        "run_id", sa.Integer, sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False
+    )
     op.create_table(
         "host_telemetry",
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
@@ -35,8 +36,10 @@ def upgrade() -> None:
         sa.Column("seq", sa.Integer, nullable=False),
         sa.Column("time", sa.Float, nullable=False),
         sa.Column("node", sa.String(200), nullable=False),
-        *(sa.Column(name, sa.Float) for name in ("cpu_ratio", "load1", "memory_used_bytes", "memory_total_bytes",
-                                                 "disk_free_bytes")),
+        *(
+            sa.Column(name, sa.Float)
+            for name in ("cpu_ratio", "load1", "memory_used_bytes", "memory_total_bytes", "disk_free_bytes")
+        ),
     )
     op.create_index("ix_host_telemetry_run_seq", "host_telemetry", ["run_id", "seq"])
     op.create_table(
@@ -47,8 +50,17 @@ def upgrade() -> None:
         sa.Column("time", sa.Float, nullable=False),
         sa.Column("node", sa.String(200), nullable=False),
         sa.Column("device", sa.Integer, nullable=False),
-        *(sa.Column(name, sa.Float) for name in ("utilization_ratio", "memory_used_bytes", "memory_total_bytes",
-                                                 "temperature_c", "power_w", "ecc_uncorrectable")),
+        *(
+            sa.Column(name, sa.Float)
+            for name in (
+                "utilization_ratio",
+                "memory_used_bytes",
+                "memory_total_bytes",
+                "temperature_c",
+                "power_w",
+                "ecc_uncorrectable",
+            )
+        ),
     )
     op.create_index("ix_device_telemetry_run_seq", "device_telemetry", ["run_id", "seq"])
     _backfill_tokens()
@@ -62,8 +74,11 @@ def _backfill_tokens() -> None:
         per_step = _tokens_per_step(config)
         if per_step is None:
             continue
-        conn.execute(steps.update().where(steps.c.run_id == run, steps.c.loss.is_not(None))
-                     .values(tokens_seen=steps.c.step * per_step))
+        conn.execute(
+            steps.update()
+            .where(steps.c.run_id == run, steps.c.loss.is_not(None))
+            .values(tokens_seen=steps.c.step * per_step)
+        )
         if last_step is not None:
             conn.execute(runs.update().where(runs.c.id == run).values(tokens_seen=float(last_step * per_step)))
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 
+from phalanx.serve.core.contract import ServingEngine
 from phalanx.serve.core.embeddings import (
     MAX_INPUTS,
     ClientLeft,
@@ -25,11 +26,10 @@ from phalanx.serve.core.embeddings import (
     InputTooLong,
     fit_to_context,
 )
-from phalanx.serve.http.embeddings.schema import OllamaEmbeddingsRequest, OllamaEmbedRequest, OpenAIEmbeddingRequest
-from phalanx.serve.core.contract import ServingEngine
-from phalanx.serve.http.common import ApiError, parse_body, read_json
-from phalanx.serve.http.keep_alive import ModelResidency
 from phalanx.serve.core.served import ServedModel
+from phalanx.serve.http.common import ApiError, parse_body, read_json
+from phalanx.serve.http.embeddings.schema import OllamaEmbeddingsRequest, OllamaEmbedRequest, OpenAIEmbeddingRequest
+from phalanx.serve.http.keep_alive import ModelResidency
 
 
 def _ns(seconds: float) -> int:
@@ -43,9 +43,12 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
 
     def check_dimensions(dimensions: int | None, param: str | None) -> None:
         if dimensions is not None and dimensions != embedder.dimensions:
-            raise ApiError(400, f"'dimensions' {dimensions} is not supported: this model's embeddings have "
-                                f"{embedder.dimensions} dimensions (leave it out, or ask for {embedder.dimensions})",
-                           param=param)
+            raise ApiError(
+                400,
+                f"'dimensions' {dimensions} is not supported: this model's embeddings have "
+                f"{embedder.dimensions} dimensions (leave it out, or ask for {embedder.dimensions})",
+                param=param,
+            )
 
     def text_inputs(texts: list[str], truncate: bool, num_ctx: int | None = None) -> list[list[int]]:
         """num_ctx (Ollama's option) narrows the context inputs are cut to or refused at, never widens it."""
@@ -76,11 +79,20 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
         body = parse_body(OllamaEmbedRequest, await read_json(request))
         check_ollama_model(body.model)
         check_dimensions(body.dimensions, None)
-        inputs = await asyncio.to_thread(text_inputs, body.inputs, body.truncate,  # tokenizing: off the loop
-                                         body.options.num_ctx if body.options else None)
+        inputs = await asyncio.to_thread(
+            text_inputs,
+            body.inputs,
+            body.truncate,  # tokenizing: off the loop
+            body.options.num_ctx if body.options else None,
+        )
         vectors, load_seconds = await embed(request, inputs, body.keep_alive)
-        return {"model": body.model, "embeddings": vectors, "total_duration": _ns(time.perf_counter() - arrived),
-                "load_duration": _ns(load_seconds), "prompt_eval_count": sum(len(ids) for ids in inputs)}
+        return {
+            "model": body.model,
+            "embeddings": vectors,
+            "total_duration": _ns(time.perf_counter() - arrived),
+            "load_duration": _ns(load_seconds),
+            "prompt_eval_count": sum(len(ids) for ids in inputs),
+        }
 
     @router.post("/api/embeddings")
     async def ollama_embeddings(request: Request):
@@ -96,16 +108,26 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
     async def openai_embeddings(request: Request):
         body = parse_body(OpenAIEmbeddingRequest, await read_json(request))
         if not served.matches(body.model):
-            raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{served.name}'",
-                           code="model_not_found", param="model")
+            raise ApiError(
+                404,
+                f"the model '{body.model}' does not exist; this server serves '{served.name}'",
+                code="model_not_found",
+                param="model",
+            )
         check_dimensions(body.dimensions, "dimensions")
         inputs = await asyncio.to_thread(openai_inputs, body.input)
         vectors, _ = await embed(request, inputs, None)
-        data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
-                for i, v in enumerate(vectors)]
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+            for i, v in enumerate(vectors)
+        ]
         tokens = sum(len(ids) for ids in inputs)
-        return {"object": "list", "data": data, "model": body.model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return {
+            "object": "list",
+            "data": data,
+            "model": body.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
 
     def openai_inputs(given: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(given, str):

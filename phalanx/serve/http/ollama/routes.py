@@ -13,20 +13,20 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import phalanx
+from phalanx.serve.core.contract import Finish, Piece, RequestStream, ServingEngine
+from phalanx.serve.core.served import ServedModel
+from phalanx.serve.core.structured_output import FormatError, ollama_format_schema
 from phalanx.serve.http.choices import build_constraints, submit_samples
-from phalanx.serve.core.contract import ServingEngine, Finish, Piece, RequestStream
 from phalanx.serve.http.common import ApiError, collect, parse_body, read_json, streamed_error
 from phalanx.serve.http.keep_alive import ModelResidency, unloads_now
 from phalanx.serve.http.ollama.schema import ChatRequest, GenerateRequest, ShowRequest
-from phalanx.serve.core.served import ServedModel
-from phalanx.serve.core.structured_output import FormatError, ollama_format_schema
 from phalanx.serve.http.tool_calls import Tool, ToolError, ollama_call, parse_calls, read_tools, template_messages
 
 NDJSON = "application/x-ndjson"
@@ -34,7 +34,7 @@ FAR_FUTURE = "2318-01-01T00:00:00Z"  # /api/ps expires_at while keep_alive keeps
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _ns(seconds: float) -> int:
@@ -42,10 +42,16 @@ def _ns(seconds: float) -> int:
 
 
 def _stats(finish: Finish, arrived: float, load_seconds: float = 0.0) -> dict[str, Any]:
-    return {"done": True, "done_reason": finish.reason, "total_duration": _ns(finish.finished_at - arrived),
-            "load_duration": _ns(load_seconds), "prompt_eval_count": finish.prompt_tokens,
-            "prompt_eval_duration": _ns(finish.prompt_seconds), "eval_count": finish.completion_tokens,
-            "eval_duration": _ns(finish.generation_seconds)}
+    return {
+        "done": True,
+        "done_reason": finish.reason,
+        "total_duration": _ns(finish.finished_at - arrived),
+        "load_duration": _ns(load_seconds),
+        "prompt_eval_count": finish.prompt_tokens,
+        "prompt_eval_duration": _ns(finish.prompt_seconds),
+        "eval_count": finish.completion_tokens,
+        "eval_duration": _ns(finish.generation_seconds),
+    }
 
 
 def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelResidency | None = None) -> APIRouter:
@@ -56,9 +62,15 @@ def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
         if not served.matches(name):
             raise ApiError(404, f"model '{name}' not found")
 
-    async def respond(request: Request, body: GenerateRequest | ChatRequest, prompt_ids: list[int],
-                      template_stops: list[str], piece: Callable[[str], dict[str, Any]], arrived: float,
-                      tools: list[Tool] | None = None):
+    async def respond(
+        request: Request,
+        body: GenerateRequest | ChatRequest,
+        prompt_ids: list[int],
+        template_stops: list[str],
+        piece: Callable[[str], dict[str, Any]],
+        arrived: float,
+        tools: list[Tool] | None = None,
+    ):
         options, num_ctx = body.sampling(template_stops)
         try:
             schema = ollama_format_schema(body.format)
@@ -67,8 +79,9 @@ def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
         top_logprobs = body.top_logprobs_asked
         constraints = await build_constraints(engine, request, schema)
         load_seconds = await residency.ready(body.keep_alive)  # no await from here to the submit
-        stream, = submit_samples(engine, request, prompt_ids, options, constraints, top_logprobs=top_logprobs,
-                                 context_limit=num_ctx)
+        (stream,) = submit_samples(
+            engine, request, prompt_ids, options, constraints, top_logprobs=top_logprobs, context_limit=num_ctx
+        )
         residency.track(stream)
         head = {"model": body.model}
         if tools or top_logprobs is not None:
@@ -76,14 +89,18 @@ def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
         if not body.stream:
             text = await collect(request, stream)
             whole = Piece.of(text, stream.logprobs) if top_logprobs is not None else text
-            return JSONResponse({**head, "created_at": _now(), **piece(whole),
-                                 **_stats(stream.finish, arrived, load_seconds)})
-        return StreamingResponse(_lines(request, stream, head, piece, arrived, bool(tools), load_seconds),
-                                 media_type=NDJSON)
+            return JSONResponse(
+                {**head, "created_at": _now(), **piece(whole), **_stats(stream.finish, arrived, load_seconds)}
+            )
+        return StreamingResponse(
+            _lines(request, stream, head, piece, arrived, bool(tools), load_seconds), media_type=NDJSON
+        )
 
-    def _with_extras(piece: Callable[[str], dict[str, Any]], tools: list[Tool],
-                     logprobs: bool) -> Callable[[str], dict[str, Any]]:
+    def _with_extras(
+        piece: Callable[[str], dict[str, Any]], tools: list[Tool], logprobs: bool
+    ) -> Callable[[str], dict[str, Any]]:
         """A chunk with its log-probabilities, and a chat message whose whole text is tool calls as them."""
+
         def extended(text: str) -> dict[str, Any]:
             chunk = piece(text)
             if tools and (calls := parse_calls(text, tools)):
@@ -91,11 +108,18 @@ def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
             if logprobs:
                 chunk["logprobs"] = list(getattr(text, "logprobs", []))
             return chunk
+
         return extended
 
-    async def _lines(request: Request, stream: RequestStream, head: dict[str, Any],
-                     piece: Callable[[str], dict[str, Any]], arrived: float,
-                     hold: bool = False, load_seconds: float = 0.0) -> AsyncIterator[str]:
+    async def _lines(
+        request: Request,
+        stream: RequestStream,
+        head: dict[str, Any],
+        piece: Callable[[str], dict[str, Any]],
+        arrived: float,
+        hold: bool = False,
+        load_seconds: float = 0.0,
+    ) -> AsyncIterator[str]:
         """hold: with tools, the text goes out in one chunk at the end (a call is recognisable only whole)."""
         try:
             held: list[str] = []
@@ -111,8 +135,10 @@ def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
             if finish.reason == "error":
                 yield json.dumps(streamed_error(request.url.path, finish.error or "generation failed")) + "\n"
             elif finish.reason != "cancelled":
-                yield json.dumps({**head, "created_at": _now(), **piece(""),
-                                  **_stats(finish, arrived, load_seconds)}) + "\n"
+                yield (
+                    json.dumps({**head, "created_at": _now(), **piece(""), **_stats(finish, arrived, load_seconds)})
+                    + "\n"
+                )
         finally:
             stream.cancel()  # the client went away: free the slot
 
@@ -127,13 +153,15 @@ def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
             raise ApiError(400, "raw mode does not support template, system, or context")
         if not body.prompt:  # Ollama's way to load a model (a system prompt alone generates nothing)
             await residency.ready(body.keep_alive)
-            return JSONResponse({"model": body.model, "created_at": _now(), "response": "", "done": True,
-                                 "done_reason": "load"})
+            return JSONResponse(
+                {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+            )
         if body.raw:
             prompt_ids, stops = await asyncio.to_thread(served.text_prompt_ids, body.prompt), []
         else:
-            messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-                       [{"role": "user", "content": body.prompt}]
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                {"role": "user", "content": body.prompt}
+            ]
             prompt_ids, stops = await _render(messages), served.chat_stops
         return await respond(request, body, prompt_ids, stops, lambda text: {"response": text}, arrived)
 
@@ -147,17 +175,27 @@ def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
             if unloads_now(body.keep_alive):
                 return await unload(body.model, empty)
             await residency.ready(body.keep_alive)
-            return JSONResponse({"model": body.model, "created_at": _now(), **empty, "done": True,
-                                 "done_reason": "load"})
+            return JSONResponse(
+                {"model": body.model, "created_at": _now(), **empty, "done": True, "done_reason": "load"}
+            )
         try:
             tools = read_tools(body.tools)
-            messages = [{"role": m.role, "content": m.content,
-                         "tool_calls": [ollama_call(c) for c in m.tool_calls or []]} for m in body.messages]
+            messages = [
+                {"role": m.role, "content": m.content, "tool_calls": [ollama_call(c) for c in m.tool_calls or []]}
+                for m in body.messages
+            ]
         except ToolError as e:
             raise ApiError(400, str(e)) from None
         prompt_ids = await _render(template_messages(messages, tools))
-        return await respond(request, body, prompt_ids, served.chat_stops,
-                             lambda text: {"message": {"role": "assistant", "content": text}}, arrived, tools)
+        return await respond(
+            request,
+            body,
+            prompt_ids,
+            served.chat_stops,
+            lambda text: {"message": {"role": "assistant", "content": text}},
+            arrived,
+            tools,
+        )
 
     async def unload(model: str, empty: dict[str, Any]) -> JSONResponse:
         await residency.unload_now()
@@ -172,9 +210,14 @@ def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
             raise ApiError(400, str(e)) from None
 
     def _model_entry() -> dict[str, Any]:
-        return {"name": served.tagged_name, "model": served.tagged_name,
-                "modified_at": served.loaded_at.isoformat(), "size": served.size_bytes, "digest": served.digest,
-                "details": served.details()}
+        return {
+            "name": served.tagged_name,
+            "model": served.tagged_name,
+            "modified_at": served.loaded_at.isoformat(),
+            "size": served.size_bytes,
+            "digest": served.digest,
+            "details": served.details(),
+        }
 
     @router.get("/api/tags")
     async def tags():
@@ -188,8 +231,17 @@ def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
         size = served.size_bytes + engine.kv_cache_bytes
         expires = residency.expires_at
         expires_at = FAR_FUTURE if expires is None else expires.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        return {"models": [{**_model_entry(), "expires_at": expires_at, "size": size,
-                            "size_vram": size if on_gpu else 0, "context_length": engine.context}]}
+        return {
+            "models": [
+                {
+                    **_model_entry(),
+                    "expires_at": expires_at,
+                    "size": size,
+                    "size_vram": size if on_gpu else 0,
+                    "context_length": engine.context,
+                }
+            ]
+        }
 
     @router.post("/api/show")
     async def show(request: Request):
@@ -200,17 +252,22 @@ def ollama_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
         # The source by its directory's name only: a client has no business knowing the server's paths.
         return {
             "modelfile": f"# served by phalanx {phalanx.__version__}\n"
-                         f"FROM {served.source.name}\nTEMPLATE {json.dumps(served.loaded.chat_template)}\n"
-                         + "".join(f"PARAMETER {line}\n" for line in stops.splitlines()),
+            f"FROM {served.source.name}\nTEMPLATE {json.dumps(served.loaded.chat_template)}\n"
+            + "".join(f"PARAMETER {line}\n" for line in stops.splitlines()),
             "parameters": stops,
             "template": served.loaded.chat_template,
             "details": served.details(),
             "model_info": {
-                "general.architecture": "llama", "general.parameter_count": served.parameters,
-                "llama.context_length": engine.context, "llama.embedding_length": args.dim,
-                "llama.block_count": args.n_layers, "llama.feed_forward_length": args.ffn_dim,
-                "llama.attention.head_count": args.n_heads, "llama.attention.head_count_kv": args.n_kv_heads,
-                "llama.attention.layer_norm_rms_epsilon": args.norm_eps, "llama.rope.freq_base": args.rope_theta,
+                "general.architecture": "llama",
+                "general.parameter_count": served.parameters,
+                "llama.context_length": engine.context,
+                "llama.embedding_length": args.dim,
+                "llama.block_count": args.n_layers,
+                "llama.feed_forward_length": args.ffn_dim,
+                "llama.attention.head_count": args.n_heads,
+                "llama.attention.head_count_kv": args.n_kv_heads,
+                "llama.attention.layer_norm_rms_epsilon": args.norm_eps,
+                "llama.rope.freq_base": args.rope_theta,
                 "llama.vocab_size": args.vocab_size,
             },
             "capabilities": ["completion", "tools"],  # tools: serve/http/tool_calls.py

@@ -14,9 +14,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from phalanx.serve.core.options import DEFAULTS, SamplingOptions
 from phalanx.serve.http.common import ApiError, Int64, StrictModel, sampling_options
 from phalanx.serve.http.ollama.ignored import IgnoredOllamaOptions
-from phalanx.serve.core.options import DEFAULTS, SamplingOptions
 
 
 class OllamaOptions(IgnoredOllamaOptions):
@@ -60,8 +60,9 @@ class _OllamaRequest(StrictModel):
         num_ctx = given.pop("num_ctx", None)
         # The template's own stops end the assistant's turn whatever else the request adds.
         stops = tuple(dict.fromkeys([*template_stops, *given.pop("stop", [])]))
-        options = sampling_options(**{**DEFAULTS, **given, "stop": stops,
-                                      "max_tokens": None if num_predict < 0 else num_predict})
+        options = sampling_options(
+            **{**DEFAULTS, **given, "stop": stops, "max_tokens": None if num_predict < 0 else num_predict}
+        )
         return options, num_ctx
 
 
@@ -78,8 +79,15 @@ class GenerateRequest(_OllamaRequest):
     steps: Int64 | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_OllamaRequest.UNSUPPORTED, "suffix": ("",), "template": ("",), "context": ([],), "images": ([],),
-        "width": (), "height": (), "steps": ()}
+        **_OllamaRequest.UNSUPPORTED,
+        "suffix": ("",),
+        "template": ("",),
+        "context": ([],),
+        "images": ([],),
+        "width": (),
+        "height": (),
+        "steps": (),
+    }
 
 
 class ChatMessage(StrictModel):

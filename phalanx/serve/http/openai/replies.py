@@ -41,15 +41,20 @@ class ChatReply:
         return {"index": index, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": reason}
 
     def opening(self, index: int) -> list[dict[str, Any]]:
-        return [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]
+        return [
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ]
 
     def delta(self, index: int, piece: str) -> dict[str, Any] | None:
         if self.tools:  # a call is only recognisable whole
             self._held.setdefault(index, []).append(piece)
             return None
-        return {"index": index, "delta": {"content": str(piece)}, "logprobs": self._logprobs(_entries(piece)),
-                "finish_reason": None}
+        return {
+            "index": index,
+            "delta": {"content": str(piece)},
+            "logprobs": self._logprobs(_entries(piece)),
+            "finish_reason": None,
+        }
 
     def closing(self, index: int, reason: str) -> list[dict[str, Any]]:
         chunks = []
@@ -59,13 +64,20 @@ class ChatReply:
             calls = parse_calls(text, self.tools)
             if calls:
                 deltas = [{"index": k, **c.openai()} for k, c in enumerate(calls)]
-                chunks.append({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
-                               "finish_reason": None})
+                chunks.append(
+                    {"index": index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}
+                )
                 reason = "tool_calls" if reason == "stop" else reason
             elif text:
                 entries = [e for piece in held for e in _entries(piece)]
-                chunks.append({"index": index, "delta": {"content": text}, "logprobs": self._logprobs(entries),
-                               "finish_reason": None})
+                chunks.append(
+                    {
+                        "index": index,
+                        "delta": {"content": text},
+                        "logprobs": self._logprobs(entries),
+                        "finish_reason": None,
+                    }
+                )
         return chunks + [{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}]
 
 
@@ -84,13 +96,20 @@ class CompletionReply:
             offsets.append(offset)
             offset += len(e["token"])
         self._offsets[index] = offset
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets,
+        }
 
     def whole(self, index: int, text: str, reason: str, logprobs: list[dict]) -> dict[str, Any]:
-        return {"text": self.prefix + text, "index": index, "logprobs": self._legacy(index, logprobs),
-                "finish_reason": reason}
+        return {
+            "text": self.prefix + text,
+            "index": index,
+            "logprobs": self._legacy(index, logprobs),
+            "finish_reason": reason,
+        }
 
     def opening(self, index: int) -> list[dict[str, Any]]:
         if not self.prefix:
@@ -98,8 +117,12 @@ class CompletionReply:
         return [{"text": self.prefix, "index": index, "logprobs": None, "finish_reason": None}]
 
     def delta(self, index: int, piece: str) -> dict[str, Any] | None:
-        return {"text": str(piece), "index": index, "logprobs": self._legacy(index, _entries(piece)),
-                "finish_reason": None}
+        return {
+            "text": str(piece),
+            "index": index,
+            "logprobs": self._legacy(index, _entries(piece)),
+            "finish_reason": None,
+        }
 
     def closing(self, index: int, reason: str) -> list[dict[str, Any]]:
         return [{"text": "", "index": index, "logprobs": None, "finish_reason": reason}]

@@ -21,14 +21,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import phalanx
+from phalanx.serve.core.contract import Finish, RequestStream, ServingEngine
+from phalanx.serve.core.served import ServedModel
+from phalanx.serve.core.structured_output import FormatError, openai_format_schema
 from phalanx.serve.http.choices import build_constraints, collect_samples, merged, submit_samples
-from phalanx.serve.core.contract import ServingEngine, Finish, RequestStream
 from phalanx.serve.http.common import ApiError, parse_body, read_json, streamed_error
 from phalanx.serve.http.keep_alive import ModelResidency
 from phalanx.serve.http.openai.replies import ChatReply, CompletionReply, Reply
 from phalanx.serve.http.openai.schema import ChatCompletionRequest, CompletionRequest
-from phalanx.serve.core.served import ServedModel
-from phalanx.serve.core.structured_output import FormatError, openai_format_schema
 from phalanx.serve.http.tool_calls import ToolError, call_schema, forced_tools, read_tools, template_messages
 
 FINGERPRINT = f"phalanx-{phalanx.__version__}"
@@ -50,35 +50,58 @@ def openai_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
 
     def check_model(name: str) -> None:
         if not served.matches(name):
-            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{served.name}'",
-                           code="model_not_found", param="model")
+            raise ApiError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{served.name}'",
+                code="model_not_found",
+                param="model",
+            )
 
     def model_object() -> dict[str, Any]:
-        return {"id": served.name, "object": "model", "created": int(served.loaded_at.timestamp()),
-                "owned_by": "phalanx"}
+        return {
+            "id": served.name,
+            "object": "model",
+            "created": int(served.loaded_at.timestamp()),
+            "owned_by": "phalanx",
+        }
 
-    async def respond(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-                      max_tokens: int | None, template_stops: list[str], kind: str, reply: Reply,
-                      schema: dict[str, Any] | None = None):
+    async def respond(
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        template_stops: list[str],
+        kind: str,
+        reply: Reply,
+        schema: dict[str, Any] | None = None,
+    ):
         options, top_logprobs = body.sampling(max_tokens, template_stops), body.top_logprobs_asked
         constraints = await build_constraints(engine, request, schema, body.n or 1, "response_format")
         await residency.ready()  # loads the weights if keep_alive took them out; no await from here to the submit
         streams = submit_samples(engine, request, prompt_ids, options, constraints, top_logprobs=top_logprobs)
         for stream in streams:
             residency.track(stream)
-        head = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{secrets.token_hex(12)}",
-                "object": kind, "created": int(time.time()), "model": body.model, "system_fingerprint": FINGERPRINT}
+        head = {
+            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{secrets.token_hex(12)}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": body.model,
+            "system_fingerprint": FINGERPRINT,
+        }
         if not body.stream:
             texts = await collect_samples(request, streams)
-            choices = [reply.whole(i, text, s.finish.reason, s.logprobs) for i, (text, s) in
-                       enumerate(zip(texts, streams))]
+            choices = [
+                reply.whole(i, text, s.finish.reason, s.logprobs) for i, (text, s) in enumerate(zip(texts, streams))
+            ]
             return JSONResponse({**head, "choices": choices, "usage": _usage([s.finish for s in streams])})
         head["object"] = f"{kind}.chunk" if kind == "chat.completion" else kind
-        return StreamingResponse(_events(request, streams, head, body.include_usage, reply),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _events(request, streams, head, body.include_usage, reply), media_type="text/event-stream"
+        )
 
-    async def _events(request: Request, streams: list[RequestStream], head: dict[str, Any], include_usage: bool,
-                      reply: Reply) -> AsyncIterator[str]:
+    async def _events(
+        request: Request, streams: list[RequestStream], head: dict[str, Any], include_usage: bool, reply: Reply
+    ) -> AsyncIterator[str]:
         usage_none = {"usage": None} if include_usage else {}
 
         def event(choice: dict[str, Any]) -> str:
@@ -120,16 +143,29 @@ def openai_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
             raise ApiError(400, str(e), param="response_format") from None
         if forced:
             if schema is not None:
-                raise ApiError(400, "response_format and a tool_choice that forces a call cannot both hold the "
-                                    "output; send one of them", param="tool_choice")
+                raise ApiError(
+                    400,
+                    "response_format and a tool_choice that forces a call cannot both hold the "
+                    "output; send one of them",
+                    param="tool_choice",
+                )
             schema = call_schema(forced)
         try:
             prompt_ids = await asyncio.to_thread(  # off the event loop: see ollama_api._render
-                served.chat_prompt_ids, template_messages(body.messages_for_template(), tools if use_tools else []))
+                served.chat_prompt_ids, template_messages(body.messages_for_template(), tools if use_tools else [])
+            )
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        return await respond(request, body, prompt_ids, body.new_tokens, served.chat_stops, "chat.completion",
-                             ChatReply(tools if use_tools else [], body.top_logprobs_asked is not None), schema)
+        return await respond(
+            request,
+            body,
+            prompt_ids,
+            body.new_tokens,
+            served.chat_stops,
+            "chat.completion",
+            ChatReply(tools if use_tools else [], body.top_logprobs_asked is not None),
+            schema,
+        )
 
     @router.post("/v1/completions")
     async def completions(request: Request):
@@ -137,8 +173,15 @@ def openai_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
         check_model(body.model)
         text = body.prompt_text
         prompt_ids = await asyncio.to_thread(served.text_prompt_ids, text)
-        return await respond(request, body, prompt_ids, body.max_tokens, [], "text_completion",
-                             CompletionReply(text if body.echo else "", body.top_logprobs_asked is not None))
+        return await respond(
+            request,
+            body,
+            prompt_ids,
+            body.max_tokens,
+            [],
+            "text_completion",
+            CompletionReply(text if body.echo else "", body.top_logprobs_asked is not None),
+        )
 
     @router.get("/v1/models")
     async def models():

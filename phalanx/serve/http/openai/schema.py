@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from phalanx.serve.http.common import ApiError, Int64, StrictModel, sampling_options
 from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.http.common import ApiError, Int64, StrictModel, sampling_options
 from phalanx.serve.http.tool_calls import openai_call
 
 
@@ -52,13 +52,26 @@ class _OpenAIRequest(StrictModel):
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        given = {"temperature": self.temperature, "top_p": self.top_p, "presence_penalty": self.presence_penalty,
-                 "frequency_penalty": self.frequency_penalty, "seed": self.seed, "top_k": self.top_k,
-                 "min_p": self.min_p, "repeat_penalty": self.repeat_penalty, "repeat_last_n": self.repeat_last_n}
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "seed": self.seed,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repeat_penalty": self.repeat_penalty,
+            "repeat_last_n": self.repeat_last_n,
+        }
         # OpenAI's defaults: temperature 1, no nucleus cut, no penalties.
-        return sampling_options(**{"temperature": 1.0, **{k: v for k, v in given.items() if v is not None},
-                                   "stop": tuple(dict.fromkeys([*template_stops, *stops])),
-                                   "max_tokens": max_tokens})
+        return sampling_options(
+            **{
+                "temperature": 1.0,
+                **{k: v for k, v in given.items() if v is not None},
+                "stop": tuple(dict.fromkeys([*template_stops, *stops])),
+                "max_tokens": max_tokens,
+            }
+        )
 
 
 class TextPart(StrictModel):
@@ -90,13 +103,18 @@ class ChatCompletionRequest(_OpenAIRequest):
     parallel_tool_calls: bool | None = None
     store: bool | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_OpenAIRequest.UNSUPPORTED, "store": (False,)}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIRequest.UNSUPPORTED, "store": (False,)}
 
     def messages_for_template(self) -> list[dict[str, Any]]:
         # "developer" is OpenAI's newer name for the system role; tool_calls.template_messages spells out calls.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                 "tool_calls": [openai_call(c) for c in m.tool_calls or []]} for m in self.messages]
+        return [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+                "tool_calls": [openai_call(c) for c in m.tool_calls or []],
+            }
+            for m in self.messages
+        ]
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -134,6 +152,7 @@ class CompletionRequest(_OpenAIRequest):
         if isinstance(self.prompt, str):
             return self.prompt
         if len(self.prompt) != 1:
-            raise ApiError(400, "phalanx serve takes one prompt per request (a string, or a list of one string)",
-                           param="prompt")
+            raise ApiError(
+                400, "phalanx serve takes one prompt per request (a string, or a list of one string)", param="prompt"
+            )
         return self.prompt[0]
