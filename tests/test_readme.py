@@ -36,6 +36,7 @@ OTHER_PROGRAMS = {
     "pip",
     ".venv/bin/pip",
     ".venv/bin/python",
+    ".venv/bin/ruff",
     "curl",
     "export",
     "cd",
