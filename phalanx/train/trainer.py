@@ -38,7 +38,7 @@ from phalanx.parallel.distributed import (
 from phalanx.parallel.mesh import build_mesh, dp_coordinate, resolve_layout
 from phalanx.parallel.pipeline import Pipeline, check_pipeline, microbatches
 from phalanx.run.jsonl import JsonlSink, MetricsSink, NullSink, json_safe
-from phalanx.run.layout import RunDir, step_dir_name
+from phalanx.run.layout import RunDir
 from phalanx.run.prepare import prepared_data
 from phalanx.run.records import JsonlEventSink
 from phalanx.safe.heartbeat import Heartbeat
@@ -47,12 +47,13 @@ from phalanx.safe.numerics import NumericsGuard
 from phalanx.safe.preemption import PREEMPTION
 from phalanx.safe.stacks import register_stack_dump
 from phalanx.safe.stragglers import ComputeClock, StragglerDetector
-from phalanx.train.checkpoint import Checkpointer, SaveOutcome
+from phalanx.train.checkpoint import Checkpointer
 from phalanx.train.evaluate import Evaluator
 from phalanx.train.memory_checkpoint import MemorySnapshots, remove_rank
 from phalanx.train.optim import build_optimizer, lr_at
 from phalanx.train.progress import ProgressLine, notice
 from phalanx.train.resume import ResumePoint, checkpoint_step_of, resume_point
+from phalanx.train.saving import CheckpointSaves
 from phalanx.train.step import StepHooks, train_step
 
 
@@ -176,8 +177,15 @@ class Trainer:
         self.rank_sink = JsonlSink(run.rank_timings(env.rank))
         self.node = socket.gethostname()
         self.state: dict[str, Any] = {}
-        self.last_checkpoint: str | None = None
-        self.final_save_failed: dict[str, Any] | None = None  # the job exits 8 on it (train_job)
+        self.saves = CheckpointSaves(
+            self.checkpointer,
+            self.model,
+            self.optimizer,
+            self.heartbeat,
+            self.faults,
+            self._emit,
+            lambda line: self.progress.log(line),
+        )
         self.rolled_back_at: set[int] = set()
 
     # -- the run ----------------------------------------------------------------------------------
@@ -231,9 +239,9 @@ class Trainer:
                 self.sink.write(record)
                 self.progress.update(step, record["loss"], tps, self.state.get("val_loss"), last=step == end_step)
                 if step % self.config.checkpoint.interval == 0 or step == end_step:
-                    self._save(step, final=step == end_step)
+                    self.saves.save(step, self._trainer_state(), final=step == end_step)
                 else:
-                    self._report_save(self.checkpointer.finish(wait=False))  # publish an async save once written
+                    self.saves.publish()  # an async save, once written
                 if self.snapshots.due(step):
                     self._snapshot(step, step_seconds)
                 if self.state.get("stop_requested"):  # agreed in the step's all-reduce: all ranks stop here
@@ -298,26 +306,6 @@ class Trainer:
             self.progress.log(f"step {step}: train loss {self.state['train_loss']:.4f}, val loss {val_loss:.4f}")
         return {"val_loss": val_loss, "eval_seconds": seconds}
 
-    def _save(self, step: int, final: bool) -> None:
-        self.heartbeat.beat("checkpoint", step)
-        self._report_save(self.checkpointer.finish(wait=True))  # an async save still being written
-        state = self._trainer_state()
-        path = self.checkpointer.root / step_dir_name(step)
-        for tries in range(2 if final else 1):  # the last save gets one retry: no later interval comes
-            t0 = time.perf_counter()
-            error = self.checkpointer.start(
-                step, self.model, self.optimizer, state, storage_writer=self.faults.storage_writer(step, path)
-            )
-            if error is None and self.checkpointer.asynchronous and not final:
-                return  # written in the background; published and reported by a later finish()
-            outcome = self.checkpointer.finish(wait=True) if error is None else None
-            if outcome is None:
-                outcome = SaveOutcome(step, error, time.perf_counter() - t0, time.perf_counter() - t0)
-            if self._report_save(outcome, retry=tries == 0 and final):
-                return
-        if final:
-            self.final_save_failed = {"step": step, "error": outcome.result}
-
     def _trainer_state(self) -> dict[str, Any]:
         """What a resume needs besides model, optimizer and RNG: a disk checkpoint's trainer.json and an
         in-memory snapshot hold this same dict (plus the step), so the two cannot drift apart."""
@@ -354,47 +342,34 @@ class Trainer:
         how long that took, and stop with exit 143. The node agent kills the ranks after
         safe.preemption_grace_s, so a save slower than that is lost and the run resumes from an older one."""
         t0 = time.perf_counter()
-        self._report_save(self.checkpointer.finish(wait=True))  # an async save still being written
-        if self.last_checkpoint is None or Path(self.last_checkpoint).name != step_dir_name(step):
-            self._save(step, final=True)  # synchronous, with the final save's one retry
+        self.saves.publish(wait=True)  # an async save still being written
+        if not self.saves.saved(step):
+            self.saves.save(step, self._trainer_state(), final=True)  # synchronous, with its one retry
         seconds = time.perf_counter() - t0
-        saved = self.last_checkpoint is not None and Path(self.last_checkpoint).name == step_dir_name(step)
+        saved = self.saves.saved(step)
         self._emit(
             "preempted",
             step=step,
             saved=saved,
             save_seconds=seconds,
-            path=self.last_checkpoint,
+            path=self.saves.last_checkpoint,
             grace_s=self.safe.preemption_grace_s,
         )
         if saved:
             self.progress.log(
                 f"SIGTERM: stopped after step {step}; checkpoint saved in {seconds:.1f} s "
-                f"(grace {self.safe.preemption_grace_s:g} s): {self.last_checkpoint}"
+                f"(grace {self.safe.preemption_grace_s:g} s): {self.saves.last_checkpoint}"
             )
         else:
             self.progress.log(
                 f"SIGTERM: stopped after step {step}, but its checkpoint could not be saved; "
-                f"the run resumes from {self.last_checkpoint or 'step 0'}"
+                f"the run resumes from {self.saves.last_checkpoint or 'step 0'}"
             )
         self.snapshots.close()
         self.heartbeat.beat("done", step)
         self.sink.close()
         self.rank_sink.close()
         raise PreemptedError(f"preempted after step {step}")
-
-    def _report_save(self, outcome: SaveOutcome | None, retry: bool = False) -> bool:
-        """An event (and a console line if it failed) for a finished save; whether it succeeded."""
-        if outcome is None:
-            return False
-        times = {"seconds": outcome.write_seconds, "stall_seconds": outcome.stall_seconds}
-        if isinstance(outcome.result, Path):
-            self.last_checkpoint = str(outcome.result)
-            self._emit("checkpoint_saved", step=outcome.step, path=str(outcome.result), **times)
-            return True
-        self._emit("save_failed", step=outcome.step, error=outcome.result, retry=retry, **times)
-        self.progress.log(f"step {outcome.step}: checkpoint save failed ({outcome.result}); training goes on")
-        return False
 
     def _resume(self) -> ResumePoint:
         """Continue from where train/resume.py decides (a snapshot, a checkpoint, or step 0)."""
@@ -409,7 +384,7 @@ class Trainer:
             dataclasses.asdict(self.args),
             self.heartbeat,
         )
-        self.last_checkpoint = str(point.newest_on_disk) if point.newest_on_disk else None
+        self.saves.last_checkpoint = str(point.newest_on_disk) if point.newest_on_disk else None
         if point.source == "start":
             return point
         self.state = point.state
@@ -436,7 +411,7 @@ class Trainer:
         checkpoint on disk, and replay from it, once per step; False means skip the step instead."""
         if self.safe.numerics != "rollback" or step in self.rolled_back_at:
             return False
-        self._report_save(self.checkpointer.finish(wait=True))  # the newest save counts too
+        self.saves.publish(wait=True)  # the newest save counts too
         self.snapshots.flush()  # the newest snapshot's sidecar, so that it counts
         self.optimizer.zero_grad(set_to_none=True)
         if self._resume().source == "start":  # nothing saved yet to go back to (the rollback says its own line)
@@ -485,9 +460,9 @@ class Trainer:
             "train_loss_final": self.state.get("train_loss"),
             "tokens_per_sec": tps,
             **self._device_rates(tps),
-            "last_checkpoint": self.last_checkpoint,
+            "last_checkpoint": self.saves.last_checkpoint,
             "wall_seconds": time.perf_counter() - self.started,
-            **({"final_save_failed": self.final_save_failed} if self.final_save_failed else {}),
+            **({"final_save_failed": self.saves.final_save_failed} if self.saves.final_save_failed else {}),
             "halted": self.tc.halt_at_step is not None and steps_done < self.tc.max_steps,
         }
         summary = json_safe(summary)
