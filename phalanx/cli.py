@@ -7,13 +7,14 @@ code (phalanx/errors.py has the table), with the traceback only under --debug.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import typer
 from rich.text import Text
 
 from phalanx.console import DEBUG_ENV, err
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, StoppedBySignal
 from phalanx.export.commands import register as register_export
 from phalanx.job.commands import register as register_job
 from phalanx.launch.cluster.commands import register as register_cluster
@@ -57,8 +58,18 @@ def main() -> None:
     sys.argv = [a for a in sys.argv if a != "--debug"]
     if debug:
         os.environ[DEBUG_ENV] = "1"  # for the ranks too: torch's own warnings and log lines are shown
+    # A SIGTERM (a scheduler's, `kill`) that comes before a command takes it over itself (the launcher
+    # once the ranks start, uvicorn once a server runs) ends the command as Ctrl-C does: through its
+    # clean-up, with one line and exit 143, rather than as a silent kill.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
-        code = app(standalone_mode=False)  # click's errors come here, to be one line like ours
+        try:
+            code = app(standalone_mode=False)  # click's errors come here, to be one line like ours
+        except BaseException:
+            if _terminated:  # whatever the SIGTERM became on its way up
+                raise _Terminated() from None
+            raise
     except PhalanxError as exc:
         if debug:
             raise
@@ -75,10 +86,29 @@ def main() -> None:
     except typer.Abort:
         _error("aborted")
         sys.exit(1)
+    except _Terminated:
+        stopped = StoppedBySignal(signal.SIGTERM, "the same command starts it again")
+        _error(str(stopped))
+        sys.exit(stopped.exit_code)
     code = code if type(code) is int else 0  # an exit code (typer.Exit), or whatever a command returned
     if code == 130:  # typer's answer to Ctrl-C inside a command
         _error("interrupted (Ctrl-C)")
     sys.exit(code)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is. A BaseException, as KeyboardInterrupt is, so that a
+    library's `except Exception` does not swallow it; a library that wraps it into an error of its own
+    (pydantic's serializer does) still ends the command as a SIGTERM, by the flag below."""
+
+
+_terminated = False
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    global _terminated
+    _terminated = True
+    raise _Terminated()
 
 
 def _error(message: str) -> None:

@@ -166,11 +166,10 @@ class PreemptedError(PhalanxError):
 class StoppedBySignal(PhalanxError):
     """The launch was stopped by a signal (a scheduler's SIGTERM, Ctrl-C); exits 128 + the signal."""
 
-    def __init__(self, signum: int):
+    def __init__(
+        self, signum: int, then: str = "the ranks were stopped (the same command resumes from the newest checkpoint)"
+    ):
         import signal
 
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name}; the ranks were stopped "
-            "(the same command resumes from the newest checkpoint)"
-        )
+        super().__init__(f"stopped by {signal.Signals(signum).name}; {then}")
         self.exit_code = 128 + int(signum)

@@ -159,3 +159,30 @@ def test_sigterm_stops_the_ranks_and_exits_143(tiny_args, runs_root):
     assert proc.returncode == 143
     assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
     assert "Traceback" not in err
+
+
+def test_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_args, runs_root):
+    """A scheduler's SIGTERM while the job prepares its data (before the launcher takes signals over) ends
+    it through its clean-up, as Ctrl-C does: one line, exit 143, and no run directory it had just made."""
+    import signal
+    import subprocess
+    import sys
+
+    name = next(a for a in tiny_args if a.startswith("run.name=")).split("=", 1)[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "train", *tiny_args, f"run.name={name}-sigterm"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen = proc.stderr.readline()
+    while seen and not seen.startswith("preparing data"):
+        seen = proc.stderr.readline()
+    assert seen.startswith("preparing data")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    lines = err.strip().splitlines()
+    assert lines[-1] == "error: stopped by SIGTERM; the same command starts it again", err
+    assert "Traceback" not in err and sum(line.startswith("error:") for line in lines) == 1
+    assert not (runs_root / f"{name}-sigterm").exists()
