@@ -360,16 +360,9 @@ class ScheduledEngine:
     def waiting(self) -> int:
         return self.scheduler.waiting
 
-    def submit(
-        self,
-        prompt_ids: list[int],
-        options: SamplingOptions,
-        context_limit: int | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
-        constraint: TokenConstraint | None = None,
-        top_logprobs: int | None = None,
-    ) -> RequestStream:
-        return self.scheduler.submit(prompt_ids, options, context_limit, loop, constraint, top_logprobs)
+    def submit(self, *args: Any, **kwargs: Any) -> RequestStream:
+        """SlotScheduler.submit (ServingEngine's, serve/core/contract.py)."""
+        return self.scheduler.submit(*args, **kwargs)
 
     def start(self) -> None:
         self.scheduler.start()
