@@ -4,7 +4,7 @@ An engine holds one SlotScheduler and hands it an EngineSteps: what the engine d
 thread (start the requests joining at a step boundary, run one step, forget a finished slot). The
 scheduler owns everything else: the bounded queue and submit's checks, the background thread that joins
 waiting requests into free slots at each boundary, cancellation, shut-down, and what happens to each
-token an engine picks (TokenOutput's job below: counts and timings, the sampler's and the grammar's state,
+token an engine picks (take(): counts and timings, the sampler's and the grammar's state,
 end-of-text, stop strings, the token budget, log-probabilities, and the text handed out).
 
 A boundary takes requests in the order they came while slots are free and, beyond the first, while their
