@@ -58,7 +58,7 @@ def account(events: list[dict], metrics: list[dict], wall_start: float, wall_end
         "restart": _restart_time(events, evals),
     }
     buckets["other"] = max(0.0, wall - sum(buckets.values()))
-    faults = Counter(FAULT_KINDS[e["kind"]] for e in events if e["kind"] in FAULT_KINDS)
+    faults = Counter(_fault_kind(e) for e in events if e["kind"] in FAULT_KINDS)
     faults.update(e["anomaly"] for e in events if e["kind"] == "anomaly")
     return {
         "restarts": sum(e["kind"] == "restart" for e in events),
@@ -67,6 +67,13 @@ def account(events: list[dict], metrics: list[dict], wall_start: float, wall_end
         "goodput": {k: round(v, 3) for k, v in buckets.items()},
         "ettr": buckets["productive"] / wall if wall > 0 else None,
     }
+
+
+def _fault_kind(event: dict) -> str:
+    """A failure's kind as the summary counts it: a rank out of memory is not a crash of the code."""
+    if event["kind"] == "worker_failed" and event.get("reason") == "out_of_memory":
+        return "out_of_memory"
+    return FAULT_KINDS[event["kind"]]
 
 
 def run_report(run_dir: Path, metrics: list[dict], wall_start: float, wall_end: float) -> dict[str, Any]:

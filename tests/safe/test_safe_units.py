@@ -157,6 +157,9 @@ def test_goodput_buckets_from_events_and_metrics():
     assert report["restarts"] == 1 and report["faults"] == {"crash": 1, "nan": 1}
     assert report["stragglers"] == [{"rank": 1, "node": "n1", "score": 0.4, "alerts": 2}]
     assert report["ettr"] == 4.0 / 25
+    # A rank out of memory (the agent's worker_failed says so) is counted as what it was, not as a crash.
+    oom = {"time": t0 + 20, "kind": "worker_failed", "stalled_for": 0.0, "reason": "out_of_memory"}
+    assert account([*events, oom], metrics, t0, t0 + 25)["faults"] == {"crash": 1, "nan": 1, "out_of_memory": 1}
 
 
 def test_goodput_buckets_never_overlap_when_the_first_attempt_dies_early():
