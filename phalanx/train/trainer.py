@@ -322,7 +322,7 @@ class Trainer:
         what one costs against the step time, and the interval is chosen and said once."""
         blocked = self.snapshots.take(step, self.model, self.optimizer, self._trainer_state())
         chosen = self.snapshots.measured(blocked, step_seconds, warm=step > self.state.get("resumed_step", 0) + 1)
-        if chosen is not None:
+        if chosen is not None and not self.snapshots.failed:  # (one that failed has said so, and stopped)
             self._emit("memory_snapshot_interval", step=step, **chosen)
             self.progress.log(
                 f"in-memory snapshots every {chosen['interval']} step(s): one blocks "

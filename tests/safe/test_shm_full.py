@@ -136,7 +136,7 @@ def test_a_launch_into_a_full_dev_shm_trains(tiny_args):
             "phalanx",
             "train",
             *tiny_args,
-            "train.max_steps=4",
+            "train.max_steps=8",  # past `auto`'s probes, which choose the snapshot interval
             "--nproc",
             "2",
             "--json",
@@ -148,4 +148,7 @@ def test_a_launch_into_a_full_dev_shm_trains(tiny_args):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr
     assert "warning: /dev/shm is full (no room for the semaphores of a warm start)" in proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 4
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 8
+    # The snapshots said once that they stopped; no interval is then announced for them.
+    assert "no in-memory snapshots" in proc.stderr or "in-memory snapshots stop" in proc.stderr
+    assert "in-memory snapshots every" not in proc.stderr
