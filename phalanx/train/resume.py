@@ -61,21 +61,18 @@ class ResumePoint:
     source: str  # "memory", "disk" or "start"
     loaded_from: Path | None  # the snapshot's sidecar or the checkpoint directory; None at the start
     newest_on_disk: Path | None  # the newest sound checkpoint (what a memory resume is newer than)
+    disk_step: int  # that checkpoint's step; 0 when there is none
     state: dict[str, Any]  # the trainer state (loader position, guard, losses); {} at the start
     seconds: float  # how long the load took
 
     def describe(self) -> str:
         """One line for the console: where from, and why that one."""
         if self.source == "memory":
-            disk = f"step {checkpoint_step_of(self.newest_on_disk)}" if self.newest_on_disk else "none"
+            disk = f"step {self.disk_step}" if self.newest_on_disk else "none"
             return f"resuming from the in-memory snapshot of step {self.step} (newest checkpoint on disk: {disk})"
         if self.source == "disk":
             return f"resuming from step {self.step} (checkpoint {self.loaded_from})"
         return "starting at step 0 (no checkpoint to resume from)"
-
-
-def checkpoint_step_of(path: Path) -> int:
-    return int(read_trainer_state(path)["step"])
 
 
 def resume_point(
@@ -92,19 +89,19 @@ def resume_point(
     """Decide where this attempt resumes (the module's order) and load it into `model` and `optimizer`
     (and the RNG). Collective: every rank calls it and gets the same answer."""
     disk = resume_path(config, env, events)
+    disk_step = int(read_trainer_state(disk)["step"]) if disk is not None else 0
     if config.checkpoint.memory_interval != 0:
         heartbeat.beat("checkpoint")
-        newer_than = checkpoint_step_of(disk) if disk is not None else 0
-        loaded = snapshots.resume(model, optimizer, newer_than, model_shape)
+        loaded = snapshots.resume(model, optimizer, disk_step, model_shape)
         if loaded is not None:
-            return ResumePoint(loaded.step, "memory", loaded.path, disk, loaded.state, loaded.seconds)
+            return ResumePoint(loaded.step, "memory", loaded.path, disk, disk_step, loaded.state, loaded.seconds)
     if disk is None:
-        return ResumePoint(0, "start", None, None, {}, 0.0)
+        return ResumePoint(0, "start", None, None, 0, {}, 0.0)
     check_model_shape(disk, model_shape)
     heartbeat.beat("checkpoint")
     t0 = time.perf_counter()
     state = checkpointer.load(disk, model, optimizer)
-    return ResumePoint(state["step"], "disk", disk, disk, state, time.perf_counter() - t0)
+    return ResumePoint(state["step"], "disk", disk, disk, disk_step, state, time.perf_counter() - t0)
 
 
 def resume_path(config: Config, env: DistEnv, events: JsonlEventSink | None = None) -> Path | None:

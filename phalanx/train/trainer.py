@@ -52,7 +52,7 @@ from phalanx.train.evaluate import Evaluator
 from phalanx.train.memory_checkpoint import MemorySnapshots, remove_rank
 from phalanx.train.optim import build_optimizer, lr_at
 from phalanx.train.progress import ProgressLine, notice
-from phalanx.train.resume import ResumePoint, checkpoint_step_of, resume_point
+from phalanx.train.resume import ResumePoint, resume_point
 from phalanx.train.saving import CheckpointSaves
 from phalanx.train.step import StepHooks, train_step
 
@@ -398,11 +398,7 @@ class Trainer:
             seconds=point.seconds,
             path=str(point.loaded_from),
             source=point.source,
-            **(
-                {"disk_step": checkpoint_step_of(point.newest_on_disk) if point.newest_on_disk else 0}
-                if point.source == "memory"
-                else {}
-            ),
+            **({"disk_step": point.disk_step} if point.source == "memory" else {}),
         )
         return point
 

@@ -344,9 +344,27 @@ def join_each(pending: Pending, join: Callable[[int, Request], None]) -> None:
 
 class ScheduledEngine:
     """The caller's side of an engine (ServingEngine's submit, start, stop and counts), forwarded to the
-    SlotScheduler the engine holds as `scheduler`."""
+    SlotScheduler the engine holds as `scheduler`; and EngineSteps' usual answers, which an engine
+    overrides where it differs (its join_all and step are always its own)."""
 
     scheduler: SlotScheduler
+    prefill_budget: float = float("inf")
+
+    def run_thread(self, loop: Callable[[], None]) -> None:
+        loop()
+
+    def thread_ends(self) -> None:
+        pass
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def boundary_tokens(self, request: Request) -> int:
+        return len(request.prompt_ids)
+
+    def logprob_entry(self, token: int, logits_V: torch.Tensor, k: int) -> dict:
+        """For engines whose step passes a row's logits as `scores`."""
+        return self.scheduler.logits_logprob_entry(token, logits_V, k)
 
     @property
     def alive(self) -> bool:

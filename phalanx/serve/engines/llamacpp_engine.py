@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,8 +77,6 @@ class _Sequence:
 
 
 class LlamaCppEngine(ScheduledEngine):
-    prefill_budget = float("inf")  # prompts are fed in chunks by the steps, whatever joins at a boundary
-
     def __init__(
         self,
         gguf_path: Path | str,
@@ -145,20 +142,11 @@ class LlamaCppEngine(ScheduledEngine):
 
     # ---- the engine thread (EngineSteps) ----
 
-    def run_thread(self, loop: Callable[[], None]) -> None:
-        loop()
-
     def thread_ends(self) -> None:
         self.llama.close()  # llama.cpp's memory goes with the thread (or at stop() if it never started)
 
     def release(self, slot: int) -> None:
         self.llama.forget(slot)  # its cells are free for the next step's tokens
-
-    def boundary_tokens(self, request: Request) -> int:
-        return len(request.prompt_ids)
-
-    def logprob_entry(self, token: int, logits_V: torch.Tensor, k: int) -> dict:
-        return self.scheduler.logits_logprob_entry(token, logits_V, k)
 
     def join_all(self, pending: Pending) -> None:
         join_each(pending, self._join)

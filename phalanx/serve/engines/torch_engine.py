@@ -193,12 +193,6 @@ class Engine(ScheduledEngine):
         with torch.inference_mode():
             loop()
 
-    def thread_ends(self) -> None:
-        pass
-
-    def logprob_entry(self, token: int, logits_V: torch.Tensor, k: int) -> dict:
-        return self.scheduler.logits_logprob_entry(token, logits_V, k)
-
     def _chunked(self, request: Request) -> bool:
         return self.prefill_chunk is not None and len(request.prompt_ids) > self.prefill_chunk
 

@@ -100,8 +100,6 @@ class _Sequence:
 
 
 class VllmEngine(ScheduledEngine):
-    prefill_budget = float("inf")  # vLLM schedules prompt tokens itself
-
     def __init__(
         self,
         export_dir: Path | str,
@@ -186,12 +184,6 @@ class VllmEngine(ScheduledEngine):
             self._built.set()
         self._go.wait()
         loop()
-
-    def thread_ends(self) -> None:
-        pass
-
-    def boundary_tokens(self, request: Request) -> int:
-        return len(request.prompt_ids)
 
     def join_all(self, pending: Pending) -> None:
         join_each(pending, self._join)
