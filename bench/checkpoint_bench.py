@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from phalanx.models.llama import Transformer
+from phalanx.models.decoder import Transformer
 from phalanx.models.presets import get_preset
 from phalanx.parallel.distributed import DistEnv
 from phalanx.run.checkpoints import list_checkpoints, verify_checkpoint

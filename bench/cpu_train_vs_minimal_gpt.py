@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.config.schema import TrainSection
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.flops import flops_per_token
-from phalanx.models.llama import ModelArgs, Transformer
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.distributed import DistEnv
 from phalanx.train.optim import build_optimizer, clip_gradients

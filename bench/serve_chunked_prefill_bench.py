@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from phalanx.data.tokenizer import train_tokenizer
-from phalanx.models.llama import KVCache, Transformer
+from phalanx.models.decoder import KVCache, Transformer
 from phalanx.models.presets import get_preset
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.engines.prefill import chunk_plan, prefill_chunk

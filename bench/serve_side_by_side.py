@@ -32,7 +32,7 @@ import torch
 from phalanx.data.tokenizer import train_tokenizer
 from phalanx.export.gguf_export import write_gguf
 from phalanx.export.hf import write_hf_export
-from phalanx.models.llama import Transformer
+from phalanx.models.decoder import Transformer
 from phalanx.models.presets import get_preset
 from phalanx.run.model_loader import LoadedModel
 from phalanx.serve.core.options import SamplingOptions

@@ -83,7 +83,7 @@ class ModelSection(Section):
     rope_theta: float | None = Field(None, gt=0)
     norm_eps: float | None = Field(None, gt=0)
     tie_embeddings: bool | None = None
-    # Llama 3.1 RoPE scaling (models/llama.py); a factor of 1 turns it off.
+    # Llama 3.1 RoPE scaling (models/decoder.py); a factor of 1 turns it off.
     rope_scaling_factor: float | None = Field(None, ge=1)
     rope_low_freq_factor: float | None = Field(None, gt=0)
     rope_high_freq_factor: float | None = Field(None, gt=0)

@@ -30,7 +30,8 @@ from phalanx.data.tokenizer import special_ids
 from phalanx.errors import PhalanxError
 from phalanx.export.export import QUANTISED
 from phalanx.export.tokenizer_files import ensure_special_tokens
-from phalanx.models.llama import ModelArgs, Transformer, rope_frequency_divisors
+from phalanx.models.decoder import ModelArgs, Transformer
+from phalanx.models.rope import rope_frequency_divisors
 from phalanx.run.gguf_format import ROPE_SCALING_KEYS, gguf_name, interleave_rotary_rows
 from phalanx.run.model_loader import LoadedModel
 
@@ -140,7 +141,7 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     writer.add_feed_forward_length(args.ffn_dim)
     writer.add_head_count(args.n_heads)
     writer.add_head_count_kv(args.n_kv_heads)
-    writer.add_rope_dimension_count(args.head_dim)
+    writer.add_rope_dimension_count(args.head_size)
     writer.add_rope_freq_base(args.rope_theta)
     writer.add_layer_norm_rms_eps(args.norm_eps)
     writer.add_vocab_size(args.vocab_size)

@@ -20,7 +20,7 @@ import torch
 
 from phalanx.data.tokenizer import special_ids
 from phalanx.export.tokenizer_files import hf_tokenizer_config, hf_tokenizer_json
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.run.hf_format import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -56,7 +56,7 @@ def hf_config(args: ModelArgs, bos_id: int, eos_id: int, dtype: torch.dtype) -> 
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
+        "head_dim": args.head_size,
         "vocab_size": args.vocab_size,
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,

@@ -1,11 +1,11 @@
 """Parameter and FLOP counts, peak device throughput, and MFU (model FLOPs utilisation)."""
 
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 
 
 def count_params(args: ModelArgs) -> int:
     """Exact parameter count of Transformer(args), a tied output weight counted once."""
-    d, kv_dim = args.dim, args.n_kv_heads * args.head_dim
+    d, kv_dim = args.dim, args.n_kv_heads * args.head_size
     attention = 2 * d * d + 2 * d * kv_dim  # wq, wo; wk, wv
     ffn = 3 * d * args.ffn_dim  # w1, w2, w3
     block = attention + ffn + 2 * d  # and two RMSNorm weights
@@ -25,7 +25,7 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """
     embedding = args.vocab_size * args.dim
     n_matmul = count_params(args) - embedding + (embedding if args.tie_embeddings else 0)
-    return 6 * n_matmul + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6 * n_matmul + 12 * args.n_layers * args.n_heads * args.head_size * seq_len
 
 
 # Dense (no 2:4 sparsity) bf16 matrix peak, TFLOP/s per device as torch sees it. Keys are lower-case

@@ -6,7 +6,7 @@ import dataclasses
 
 from phalanx.config.schema import ModelSection
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 from phalanx.models.presets import get_preset
 
 

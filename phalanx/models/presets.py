@@ -4,7 +4,7 @@ scaling of their Llama 3.1/3.2 versions, at 8K context; 405b is Llama 3.1's, sca
 import difflib
 
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 from phalanx.models.preset_names import PRESET_NAMES
 
 MODEL_PRESETS: dict[str, ModelArgs] = {

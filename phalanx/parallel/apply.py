@@ -21,10 +21,10 @@ def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bo
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        for key, block in model.layers.items():
+            model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
     if compile:
-        for block in model.layers:
+        for block in model.layers.values():
             block.compile()
 
 
@@ -53,7 +53,7 @@ def parallelize(
 
         # FSDP casts parameters itself, so the trainer skips autocast under fsdp; gradients reduce in fp32.
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in model.layers:
+        for block in model.layers.values():
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         return model

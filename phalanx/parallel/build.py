@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.parallel.apply import wrap_blocks, wrap_ddp
-from phalanx.parallel.context_parallel import apply_context_parallel, context_split, gradient_mesh
+from phalanx.parallel.context_parallel import gradient_mesh
 from phalanx.parallel.float8 import apply_float8, check_float8
 from phalanx.parallel.materialize import materialize
 from phalanx.parallel.mesh import Layout
@@ -41,18 +41,16 @@ def build_parallel_model(
         apply_float8(model)  # parameter names stay: the init rules and checkpoints still match
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    if layout.cp > 1:  # each rank holds a slice of every sequence; attention runs round the cp ring
-        apply_context_parallel(model, context_split(layout, mesh))
     wrap_blocks(model, activation_checkpointing=activation_checkpointing, compile=compile)
     if layout.pp > 1:
         pipelined = split_model(model, mesh["pp"].get_local_rank(), layout.pp, pp_schedule, layout.tp)
         for stage in pipelined.stages:  # each stage is an FSDP root of its own: the pipeline drives each
             if uses_fsdp(layout):
-                _shard(stage, stage.layers.values(), layout, mesh, dtype)
-            materialize(stage, rules, device, seed, init_buffers=stage.init_rope)
+                _shard(stage, stage.part.layers.values(), layout, mesh, dtype)
+            materialize(stage, rules, device, seed, init_buffers=stage.part.init_rope, prefix="part.")
         return pipelined
     if uses_fsdp(layout):
-        _shard(model, model.layers, layout, mesh, dtype)
+        _shard(model, model.layers.values(), layout, mesh, dtype)
     materialize(model, rules, device, seed, init_buffers=model.init_rope)
     if layout.dp_replicate * layout.cp > 1 and not uses_fsdp(layout):
         model = wrap_ddp(model, device, gradient_mesh(mesh, layout, sharded=False).get_group())

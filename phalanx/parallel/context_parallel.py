@@ -21,8 +21,9 @@ ranks hold equally many, so averaging gradients over cp, as over data-parallel r
 the whole sequence's token mean. parallel/build.py does that by giving DDP or FSDP2 the flattened
 data-parallel x cp ranks (torchtitan's "dp_shard_cp").
 
-The model (models/llama.py) knows nothing of this: `apply_context_parallel` gives it two callables, the
-global positions of the local tokens (for RoPE) and the attention over the split sequence.
+The model (models/decoder.py) knows nothing of this: the trainer hands its forward a RingPass (a
+TokenPass, models/token_pass.py), which gives RoPE the local tokens' global positions and runs the
+attention round the ring.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from phalanx.errors import PhalanxError
+from phalanx.models.token_pass import TokenPass, heads_last, visible
 
 
 def check_cp(cp: int, seq_len: int, compile: bool = False) -> None:
@@ -87,12 +88,13 @@ class _RingPass(torch.autograd.Function):
 
 
 def ring_attention(
-    q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, group, positions_of
+    q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, group, positions_of, window: int | None = None
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the keys and values of every rank in `group`.
 
     `positions_of(group_rank)` gives the global positions (T,) of that rank's tokens (queries and keys
-    alike); a query sees a key whose position is not after its own. Grouped-query heads as in SDPA's
+    alike); a query sees a key whose position is not after its own (and, with a sliding window, fewer
+    than `window` positions before it). Grouped-query heads as in SDPA's
     enable_gqa (query head h reads kv head h // group size). Computed in float32 whatever the inputs'
     dtype; returns (B, H, T, E) in q's dtype."""
     cp, me = dist.get_world_size(group), dist.get_rank(group)
@@ -102,11 +104,11 @@ def ring_attention(
     kv_2BKTE = torch.stack((k_BKTE, v_BKTE)).float()
     q_pos_T = positions_of(me)
     with torch.autocast(q_BHTE.device.type, enabled=False):  # autocast would run the matmuls in bf16
-        weighted, row_sum = _ring_softmax(q_BKGTE, kv_2BKTE, q_pos_T, group, me, cp, positions_of)
+        weighted, row_sum = _ring_softmax(q_BKGTE, kv_2BKTE, q_pos_T, group, me, cp, positions_of, window)
     return (weighted / row_sum).reshape(B, H, T, E).to(q_BHTE.dtype)
 
 
-def _ring_softmax(q_BKGTE, kv_2BKTE, q_pos_T, group, me: int, cp: int, positions_of):
+def _ring_softmax(q_BKGTE, kv_2BKTE, q_pos_T, group, me: int, cp: int, positions_of, window):
     """The running softmax over the blocks round the ring: (weighted values, sum of exponentials)."""
     row_max = row_sum = weighted = None
     for step in range(cp):
@@ -115,10 +117,10 @@ def _ring_softmax(q_BKGTE, kv_2BKTE, q_pos_T, group, me: int, cp: int, positions
         source = (me - step) % cp  # whose keys and values this rank holds now
         k_BK1SE, v_BK1SE = kv_2BKTE[0].unsqueeze(2), kv_2BKTE[1].unsqueeze(2)
         scores = q_BKGTE @ k_BK1SE.transpose(-1, -2)  # (B, K, G, T, S)
-        visible_TS = positions_of(source)[None, :] <= q_pos_T[:, None]
-        scores = scores.masked_fill(~visible_TS, float("-inf"))
+        scores = scores.masked_fill(~visible(q_pos_T, positions_of(source), window), float("-inf"))
         # The running maximum only keeps exp() in range; the result does not depend on it, so it needs no
-        # gradient. Step 0 is the rank's own block, where every query sees at least itself: finite.
+        # gradient. Step 0 is the rank's own block, where every query sees at least itself: finite. A block
+        # a sliding window hides wholly from a query gives it -inf, which the running maximum absorbs.
         block_max = scores.amax(-1, keepdim=True).detach()
         new_max = block_max if row_max is None else torch.maximum(row_max, block_max)
         probs = torch.exp(scores - new_max)
@@ -155,9 +157,30 @@ class ContextParallel:
             raise PhalanxError(f"a sequence of {seq_len} tokens cannot be split into 2 x cp = {2 * self.cp} chunks")
         return tensor_BT.index_select(1, self.positions(seq_len // self.cp, tensor_BT.device))
 
-    def attend(self, q_BHTE, k_BKTE, v_BKTE) -> torch.Tensor:
-        T, device = q_BHTE.shape[2], q_BHTE.device
-        return ring_attention(q_BHTE, k_BKTE, v_BKTE, self.group, lambda r: self.positions(T, device, r))
+    def token_pass(self) -> RingPass:
+        return RingPass(self)
+
+
+class RingPass(TokenPass):
+    """The forward of this rank's slice of every sequence: RoPE at the tokens' global positions, and
+    attention round the cp ring."""
+
+    def __init__(self, split: ContextParallel):
+        self.split = split
+
+    def rope_positions(self, length, max_seq_len, device):
+        if length * self.split.cp > max_seq_len:
+            raise PhalanxError(
+                f"sequence of {length * self.split.cp} tokens exceeds the model's max_seq_len {max_seq_len}"
+            )
+        return self.split.positions(length, device)
+
+    def attend(self, attention, q_BHTE, k_BKTE, v_BKTE):
+        T, device, split = q_BHTE.shape[2], q_BHTE.device, self.split
+        out_BHTE = ring_attention(
+            q_BHTE, k_BKTE, v_BKTE, split.group, lambda r: split.positions(T, device, r), attention.sliding_window
+        )
+        return heads_last(out_BHTE)
 
 
 class NoContextParallel:
@@ -167,19 +190,16 @@ class NoContextParallel:
     def shard(tensor_BT: torch.Tensor) -> torch.Tensor:
         return tensor_BT
 
+    @staticmethod
+    def token_pass() -> None:
+        return None  # the model's default: whole sequences
+
 
 def context_split(layout, mesh) -> ContextParallel | NoContextParallel:
     """How this rank's batches are split along the sequence under `layout` (parallel/mesh.py)."""
     if layout.cp == 1:
         return NoContextParallel()
     return ContextParallel(mesh["cp"].get_group())
-
-
-def apply_context_parallel(model: nn.Module, split: ContextParallel) -> None:
-    """Make a phalanx Transformer (before any wrapping) attend across `split`'s ranks."""
-    model.sequence_positions = split.positions
-    for block in model.layers:
-        block.attention.split_attention = split.attend
 
 
 def gradient_mesh(mesh, layout, sharded: bool):

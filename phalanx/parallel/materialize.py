@@ -4,7 +4,7 @@ shards, with the same values under every layout.
 A model of any size is built on the meta device (no storage), parallelised (TP, FSDP2, DDP), moved to
 its device empty (`to_empty`: each rank allocates only its own shards), and then each parameter is
 filled one at a time: the whole parameter is drawn on the device from its own generator (seeded by the
-run's seed and the parameter's name, models/llama.py init_rules), the rank keeps its slice, and the
+run's seed and the parameter's name, models/decoder.py init_rules), the rank keeps its slice, and the
 whole is dropped. So no rank ever holds more than its shards plus one parameter, and 1 process, DDP,
 FSDP, TP and any mix of them start from identical weights.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phalanx.models.llama import init_parameter
+from phalanx.models.decoder import init_parameter
 
 # Wrappers that insert a path segment into parameter names (activation checkpointing, compile).
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -29,10 +29,17 @@ def plain_name(name: str) -> str:
 
 @torch.no_grad()
 def materialize(
-    model: nn.Module, rules: dict[str, tuple[str, float]], device: torch.device, seed: int, init_buffers
+    model: nn.Module,
+    rules: dict[str, tuple[str, float]],
+    device: torch.device,
+    seed: int,
+    init_buffers,
+    prefix: str = "",
 ) -> None:
     """Allocate `model` (parallelised on the meta device) on `device` and initialise it by `rules`
-    (Transformer.init_rules() of the unwrapped model); `init_buffers()` then rebuilds the buffers."""
+    (Transformer.init_rules() of the unwrapped model); `init_buffers()` then rebuilds the buffers.
+    `prefix`: what `model`'s parameter names start with beyond the whole model's (a pipeline stage's
+    "part.")."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     ties = _shared_parameters(model)
@@ -43,7 +50,7 @@ def materialize(
             if getattr(module, attr) is not first:
                 setattr(module, attr, first)
     for name, param in model.named_parameters():
-        clean = plain_name(name)
+        clean = plain_name(name.removeprefix(prefix))
         if isinstance(param, DTensor):
             full = torch.empty(param.shape, dtype=param.dtype, device=device)
             init_parameter(full, clean, rules[clean], seed)

@@ -4,10 +4,12 @@ schedule.
 
 The split happens on the meta device, after tensor parallelism (stages then pass on their
 sequence-parallel shard of the hidden states) and activation checkpointing, and before FSDP, so each
-stage is sharded and materialised on its own. A stage keeps the full model's parameter names
-(`tok_embeddings.weight`, `layers.3.attention.wq.weight`, `output.weight`): layers live in a ModuleDict
-keyed by their index in the whole model, so the per-name seeded initialisation gives the same weights
-as one process, and DCP checkpoints reshard between any pp (and pp=1) because every rank saves and
+stage is sharded and materialised on its own. A stage runs the model's own forward on its part of the
+model (Transformer.part: the layers it does not own left out, the embedding only on the first stage, the
+norm and head only on the last), as torchtitan does, and keeps the whole model's parameter names
+(`tok_embeddings.weight`, `layers.3.attention.wq.weight`, `output.weight`): the model's layers live in a
+ModuleDict keyed by their index in the whole model, so the per-name seeded initialisation gives the same
+weights as one process, and DCP checkpoints reshard between any pp (and pp=1) because every rank saves and
 loads its parameters under the names one process uses.
 
 Balance: the embedding and the output head (final norm + vocabulary projection) are each counted as one
@@ -24,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs, Transformer, rope_dtype, rope_rotation
+from phalanx.models.decoder import ModelArgs, Transformer
+from phalanx.models.token_pass import Causal
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 # Interleaving gives each rank this many stages ("virtual stages"); two is what torchtitan defaults to and
@@ -99,43 +102,22 @@ def check_pipeline(args: ModelArgs, parallel, micro_rows: int | None = None) -> 
 
 
 class TransformerStage(nn.Module):
-    """One pipeline stage: the given layers of a Transformer, plus its embedding on the first stage and
-    its norm and output projection on the last, under the whole model's attribute names."""
+    """One pipeline stage: its part of the Transformer (Transformer.part), run by the model's forward."""
 
     def __init__(self, model: Transformer, plan: StagePlan, sequence_shards: int = 1):
         super().__init__()
-        self.args = model.args
         self.plan = plan
+        self.part = model.part(plan.layers, plan.first, plan.last)
         # Under tensor parallelism the hidden states between stages are split along the sequence
         # (sequence parallelism): each rank holds 1/tp of the tokens.
         self.sequence_shards = sequence_shards
-        self.tok_embeddings = model.tok_embeddings if plan.first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in plan.layers})
-        self.norm = model.norm if plan.last else None
-        self.output = model.output if plan.last else None
-        # Its own RoPE tables (not persistent, as the model's): rebuilt by init_rope once materialised.
-        self.register_buffer("rope_cos", torch.empty_like(model.rope_cos), persistent=False)
-        self.register_buffer("rope_sin", torch.empty_like(model.rope_sin), persistent=False)
-
-    # The model's own: it reads only args, rope_cos and rope_sin, which a stage has under the same names.
-    init_rope = Transformer.init_rope
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens (B, T) into the first stage, hidden states (B, T, D) between stages, logits out of the
-        last: the same computation as Transformer.forward for training (no KV cache)."""
-        if self.tok_embeddings is not None:
-            T = x.shape[1]
-            x = self.tok_embeddings(x)
-        else:
-            T = x.shape[1] * self.sequence_shards
-        if T > self.args.max_seq_len:
-            raise PhalanxError(f"sequence of {T} tokens exceeds the model's max_seq_len {self.args.max_seq_len}")
-        rope = rope_rotation(self.rope_cos[:T], self.rope_sin[:T], rope_dtype(x))
-        for layer in self.layers.values():
-            x = layer(x, *rope)
-        if self.output is not None:
-            x = self.output(self.norm(x))
-        return x
+        last."""
+        if self.plan.first:
+            return self.part(x)
+        return self.part(x, Causal(length=x.shape[1] * self.sequence_shards))
 
 
 class PipelinedModel(nn.Module):
@@ -148,7 +130,7 @@ class PipelinedModel(nn.Module):
         super().__init__()
         self.args = model.args
         self.tok_embeddings = model.tok_embeddings if any(s.plan.first for s in stages) else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for s in stages for i in s.plan.layers})
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for s in stages for i in s.plan.layers})
         self.norm = model.norm if any(s.plan.last for s in stages) else None
         self.output = model.output if any(s.plan.last for s in stages) else None
         self.stages = stages  # a plain list: not submodules

@@ -50,25 +50,26 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     )
     if tied:  # both split the shared (vocab, dim) weight by rows: one parameter again
         model.output.weight = model.tok_embeddings.weight
-    # The attention takes (x, cos, signed sin, kv_cache, start_pos, decode_rows): only x is distributed.
-    attention_inputs = (Shard(1), None, None, None, None, None)
-    for block in model.layers:
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=attention_inputs, desired_input_layouts=(Replicate(), None, None, None, None, None)
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
+    # The attention takes (x, rope tables, token pass): only x is distributed.
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        if model.args.qk_norm:
+            # Qwen3's per-head norms see (B, T, heads, E) with this rank's share of the heads: the
+            # weight is replicated and its gradient, summed over the heads of every rank, all-reduced.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)

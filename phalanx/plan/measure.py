@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from phalanx.config.schema import ModelSection, TrainSection
+from phalanx.models.decoder import Transformer
 from phalanx.models.from_config import model_args
-from phalanx.models.llama import Transformer
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.device import compute_dtype

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 
 FP32, BF16, INT64 = 4, 2, 8
 
@@ -118,8 +118,8 @@ def param_shapes(args: ModelArgs, tp: int = 1) -> dict[str, list[tuple[int, ...]
     norm, untied output) and "block" (each of the n_layers blocks has the same); with tensor
     parallelism, one rank's share (projections split by output or input, embedding and output by
     vocabulary, norms whole)."""
-    d, kv, f = args.dim, args.n_kv_heads * args.head_dim // tp, args.ffn_dim // tp
-    hd, v = args.n_heads * args.head_dim // tp, args.vocab_size // tp
+    d, kv, f = args.dim, args.n_kv_heads * args.head_size // tp, args.ffn_dim // tp
+    hd, v = args.n_heads * args.head_size // tp, args.vocab_size // tp
     block = [(hd, d), (kv, d), (kv, d), (d, hd), (f, d), (f, d), (d, f), (d,), (d,)]
     root = [(v, d), (d,)] + ([] if args.tie_embeddings else [(v, d)])
     return {"root": root, "block": block}
@@ -172,7 +172,7 @@ class _StepWalk:
         self.total_numel = self.root_numel + a.n_layers * self.block_numel
         local_numel = (self.root_padded + a.n_layers * self.block_padded) / n
         self.params = FP32 * local_numel
-        self.buffers = 2 * FP32 * a.max_seq_len * a.head_dim  # RoPE cos and sin tables, never sharded
+        self.buffers = 2 * FP32 * a.max_seq_len * a.head_size  # RoPE cos and sin tables, never sharded
         self.grads = FP32 * local_numel
         # AdamW: exp_avg and exp_avg_sq like each parameter, and one float32 `step` counter per parameter
         # tensor, which fused AdamW keeps on the parameter's device (on GPUs too, unlike the default).
@@ -195,10 +195,10 @@ class _StepWalk:
     def block_saved(self) -> int:
         """Bytes autograd keeps for one block (without activation checkpointing)."""
         a, w, bt, tp = self.w.args, self.w, self.bt, self.w.tp
-        d, kv, f = a.dim, a.n_kv_heads * a.head_dim // tp, a.ffn_dim // tp
+        d, kv, f = a.dim, a.n_kv_heads * a.head_size // tp, a.ffn_dim // tp
         # Under TP, tensors of the residual stream (x, norms, h) hold 1/tp of the tokens ("seq"), each
         # projection's all-gathered input is whole ("whole"), q and the attention output 1/tp of the heads.
-        seq, whole, heads = bt * d // tp, bt * d, bt * a.n_heads * a.head_dim // tp
+        seq, whole, heads = bt * d // tp, bt * d, bt * a.n_heads * a.head_size // tp
         # Two RMSNorm rsqrt (B, T, 1) and SDPA's logsumexp (B, H, T), float32 in every regime.
         small = FP32 * (2 * bt // tp + w.micro_batch * a.n_heads // tp * w.seq_len)
         # Each norm's own tensors (its output is the projections'): on CPU without TP its hand-written
@@ -220,10 +220,10 @@ class _StepWalk:
         return FP32 * tokens_x_dim + (BF16 if self.w.regime == "fsdp_bf16" else FP32) * tokens_x_dim
 
     def rope_saved(self) -> int:
-        """RoPE's tables, made once per forward for every block (models/llama.py: rope_rotation) and kept
+        """RoPE's tables, made once per forward for every block (models/decoder.py: rope_rotation) and kept
         by each block's products: under bf16 the cos cast and the signed sin, both bf16, T x E; in
         float32 the signed sin only (cos is the buffer itself)."""
-        return (2 * BF16 if self.w.dtype == "bfloat16" else FP32) * self.w.seq_len * self.w.args.head_dim
+        return (2 * BF16 if self.w.dtype == "bfloat16" else FP32) * self.w.seq_len * self.w.args.head_size
 
     def head_saved(self) -> int:
         """Final norm, output projection and loss: log_softmax's float32 result and the norm's tensors."""

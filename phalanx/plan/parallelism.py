@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 from phalanx.plan.memory import BF16, FP32, param_shapes
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
@@ -176,7 +176,7 @@ def communication(args: ModelArgs, par: Parallelism, micro_batch: int, seq_len: 
     if par.cp > 1:
         # Ring attention: each rank's K and V chunk passes round the other cp-1 ranks in forward; backward
         # passes K, V and their gradients: three passes' worth in all.
-        kv = 2 * tokens * args.n_kv_heads * args.head_dim // par.tp * act
+        kv = 2 * tokens * args.n_kv_heads * args.head_size // par.tp * act
         out["cp K/V ring"] = 3 * m * layers * kv * (par.cp - 1)
     return out
 

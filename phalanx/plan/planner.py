@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import PhalanxError
+from phalanx.models.decoder import ModelArgs
 from phalanx.models.flops import count_params, flops_per_token
-from phalanx.models.llama import ModelArgs
 from phalanx.models.presets import MODEL_PRESETS
 from phalanx.plan.devices import Device
 from phalanx.plan.memory import Workload, estimate

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 
 # FSDPMemTracker's kinds, grouped as the hand model reports them (memory.CATEGORIES).
 _KIND_TO_CATEGORY = {

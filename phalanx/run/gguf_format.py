@@ -17,7 +17,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from phalanx.data.tokenizer import special_ids
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs, Transformer, rope_frequency_divisors
+from phalanx.models.decoder import ModelArgs, Transformer
+from phalanx.models.rope import rope_frequency_divisors
 
 GGUF_FILE = "model.gguf"
 # Llama 3.1 RoPE scaling: llama.cpp needs only the frequency divisors (rope_freqs), phalanx's model its

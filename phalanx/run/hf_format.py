@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from phalanx.data.tokenizer import special_ids
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.decoder import ModelArgs, Transformer
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from phalanx.data.chat_template import CHAT_TEMPLATE
 from phalanx.data.tokenizer import load_tokenizer
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.run.checkpoints import latest_checkpoint, load_model_weights, read_trainer_state
 from phalanx.run.gguf_format import GGUF_FILE, gguf_file, read_gguf
 from phalanx.run.hf_format import is_hf_export, read_chat_template, read_hf_model, read_hf_tokenizer

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from phalanx.config.schema import ModelSection, TrainSection
+from phalanx.models.decoder import Transformer
 from phalanx.models.flops import achieved_tflops, count_params, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
-from phalanx.models.llama import Transformer
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib, pick_device
 from phalanx.parallel.distributed import DistEnv

@@ -12,6 +12,7 @@ from torch import nn
 
 from phalanx.config.schema import TrainSection
 from phalanx.data.loader import TokenDataset, val_batches
+from phalanx.parallel.context_parallel import ContextParallel, NoContextParallel
 from phalanx.parallel.distributed import DistEnv, all_reduce_sum
 
 
@@ -23,14 +24,15 @@ class Evaluator:
         env: DistEnv,
         autocast: Callable[[], AbstractContextManager],
         pipeline=None,
-        shard: Callable[[torch.Tensor], torch.Tensor] = lambda tokens: tokens,
+        split: ContextParallel | NoContextParallel = NoContextParallel(),
     ):
         """`pipeline` (parallel/pipeline.py's Pipeline) runs the forwards through the pipeline stages;
-        `shard` keeps this rank's tokens of each sequence (context parallelism; token counts stay exact)."""
+        `split` keeps this rank's tokens of each sequence and says how they attend (context parallelism;
+        token counts stay exact)."""
         # The same windows on any rank count (train.eval_windows), in forwards of a training micro batch.
         micro = train.micro_batch(env.dp_world)
         self.batches = [
-            (shard(x.to(env.device)), shard(y.to(env.device)))
+            (split.shard(x.to(env.device)), split.shard(y.to(env.device)))
             for x, y in val_batches(
                 dataset, train.seq_len, micro, math.ceil(train.eval_windows / micro), env.dp_rank, env.dp_world
             )
@@ -41,8 +43,8 @@ class Evaluator:
         self.forwards = math.ceil(math.ceil(windows / micro) / env.dp_world)
         # A pipeline splits every forward into its micro-batches: the throw-away one needs as many rows.
         rows = pipeline.n_microbatches if pipeline is not None else 1
-        self.dummy = shard(torch.zeros(rows, train.seq_len, dtype=torch.long, device=env.device))
-        self.device, self.autocast, self.pipeline = env.device, autocast, pipeline
+        self.dummy = split.shard(torch.zeros(rows, train.seq_len, dtype=torch.long, device=env.device))
+        self.device, self.autocast, self.pipeline, self.split = env.device, autocast, pipeline, split
 
     @torch.no_grad()
     def loss(self, model: nn.Module) -> float:
@@ -54,10 +56,10 @@ class Evaluator:
                 continue
             with self.autocast():
                 if i >= len(self.batches):
-                    model(self.dummy)
+                    model(self.dummy, self.split.token_pass())
                     continue
                 inputs, targets = self.batches[i]
-                logits = model(inputs)
+                logits = model(inputs, self.split.token_pass())
             sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").double()
             sums[1] += targets.numel()
         model.train()

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.parallel.apply import gradient_sync
+from phalanx.parallel.context_parallel import ContextParallel, NoContextParallel
 from phalanx.train.optim import clip_gradients
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (batch, seq_len)
@@ -65,14 +66,14 @@ def train_step(
     device: torch.device,
     grad_clip: float,
     autocast: Callable[[], Any] = contextlib.nullcontext,
-    shard: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    split: ContextParallel | NoContextParallel = NoContextParallel(),
     measure: Callable[[], Any] = contextlib.nullcontext,
     pipeline: Any = None,
     pp_group: Any = None,
     hooks: StepHooks | None = None,
 ) -> StepOutcome:
-    """One step over this rank's micro-batches. shard: this rank's share of each sequence (context
-    parallelism); measure: a context around this rank's own work (the straggler clock)."""
+    """One step over this rank's micro-batches. split: this rank's share of each sequence and how its
+    forward attends (context parallelism); measure: a context around this rank's own work (the straggler clock)."""
     hooks = hooks or StepHooks()
     if pipeline is not None:
         loss_sum, parts = _pipeline_forward_backward(micro_batches, device, autocast, measure, pipeline, hooks)
@@ -84,10 +85,10 @@ def train_step(
                 with measure():  # a rank's own work: backward may wait on its peers
                     if i == 0:
                         hooks.first_forward()
-                    inputs = shard(inputs.to(device, non_blocking=True))
-                    targets = shard(targets.to(device, non_blocking=True))
+                    inputs = split.shard(inputs.to(device, non_blocking=True))
+                    targets = split.shard(targets.to(device, non_blocking=True))
                     with autocast():
-                        logits = model(inputs)
+                        logits = model(inputs, split.token_pass())
                         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
                 if i == 0 and hooks.poison_loss():
                     loss = loss * float("nan")

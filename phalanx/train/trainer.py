@@ -152,7 +152,7 @@ class Trainer:
             env,
             self.autocast,
             pipeline=self.pipeline,
-            shard=self.split.shard,
+            split=self.split,
         )
         self.checkpointer = Checkpointer(
             run.checkpoints, config.checkpoint.keep, env, asynchronous=config.checkpoint.async_save
@@ -272,7 +272,7 @@ class Trainer:
             device=self.env.device,
             grad_clip=self.tc.grad_clip,
             autocast=self.autocast,
-            shard=self.split.shard,
+            split=self.split,
             measure=self.clock.measure,
             pipeline=self.pipeline,
             pp_group=self.pp_group,

@@ -15,7 +15,8 @@ from phalanx.data.chat_template import CHAT_TEMPLATE, render_chat
 from phalanx.data.tokenizer import BOS
 from phalanx.export.export import export_run
 from phalanx.export.gguf_export import PRE_TOKENIZER, PRE_TOKENIZER_REGEX, write_gguf
-from phalanx.models.llama import Transformer, apply_rope, rope_tables
+from phalanx.models.decoder import Transformer
+from phalanx.models.rope import apply_rope, rope_tables
 from phalanx.run.gguf_format import interleave_rotary_rows
 from phalanx.run.model_loader import LoadedModel, load_model
 from tests.conftest import TINY
@@ -85,7 +86,7 @@ def test_gguf_keys_and_tensors(run_dir, exports):
         "llama.feed_forward_length": args.ffn_dim,
         "llama.attention.head_count": args.n_heads,
         "llama.attention.head_count_kv": args.n_kv_heads,
-        "llama.rope.dimension_count": args.head_dim,
+        "llama.rope.dimension_count": args.head_size,
         "llama.vocab_size": args.vocab_size,
         "tokenizer.ggml.bos_token_id": 0,
         "tokenizer.ggml.eos_token_id": 1,
@@ -120,7 +121,7 @@ def test_gguf_keys_and_tensors(run_dir, exports):
     for name, tensor in names.items():  # norms stay f32 whatever --dtype says
         assert (tensor.tensor_type, f16[name], bf16[name]) == ((F32, F32, F32) if "norm" in name else (F32, F16, BF16))
     # The file holds the permuted projection: llama.cpp's own layout.
-    wq = loaded.model.layers[0].attention.wq.weight.detach()
+    wq = loaded.model.layers["0"].attention.wq.weight.detach()
     stored = np.asarray(names["blk.0.attn_q.weight"].data).reshape(wq.shape)
     assert np.array_equal(stored, interleave_rotary_rows(wq, args.n_heads).numpy())
     assert not np.array_equal(stored, wq.numpy())

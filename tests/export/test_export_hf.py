@@ -13,7 +13,7 @@ from safetensors import safe_open
 from phalanx.data.chat_template import CHAT_TEMPLATE, render_chat
 from phalanx.data.tokenizer import BOS, EOS, special_ids
 from phalanx.export.hf import hf_state_dict, write_hf_export
-from phalanx.models.llama import Transformer
+from phalanx.models.decoder import Transformer
 from phalanx.run.hf_format import is_hf_export, read_chat_template
 from phalanx.run.model_loader import LoadedModel, load_model
 from tests.conftest import TINY
@@ -77,7 +77,7 @@ def test_files_config_and_tensor_names(run_dir, export_dir):
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
         args.n_heads,
         args.n_kv_heads,
-        args.head_dim,
+        args.head_size,
     )
     assert (config["vocab_size"], config["max_position_embeddings"]) == (args.vocab_size, args.max_seq_len)
     assert (config["rope_theta"], config["rms_norm_eps"]) == (args.rope_theta, args.norm_eps)
@@ -107,10 +107,12 @@ def test_files_config_and_tensor_names(run_dir, export_dir):
     # No permutation: phalanx's RoPE layout is HF's, so q_proj is wq as it is.
     with safe_open(str(export_dir / "model.safetensors"), "pt") as f:
         assert torch.equal(
-            f.get_tensor("model.layers.1.self_attn.q_proj.weight"), loaded.model.layers[1].attention.wq.weight.detach()
+            f.get_tensor("model.layers.1.self_attn.q_proj.weight"),
+            loaded.model.layers["1"].attention.wq.weight.detach(),
         )
         assert torch.equal(
-            f.get_tensor("model.layers.0.mlp.gate_proj.weight"), loaded.model.layers[0].feed_forward.w1.weight.detach()
+            f.get_tensor("model.layers.0.mlp.gate_proj.weight"),
+            loaded.model.layers["0"].feed_forward.w1.weight.detach(),
         )
 
 

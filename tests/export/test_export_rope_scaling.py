@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from phalanx.models.llama import ModelArgs, Transformer, rope_frequency_divisors, rope_inverse_frequencies
+from phalanx.models.decoder import ModelArgs, Transformer
+from phalanx.models.rope import rope_frequency_divisors, rope_inverse_frequencies
 from phalanx.run.model_loader import load_model
 from tests.conftest import TINY
 from tests.helpers import phalanx, train_json
@@ -57,7 +58,7 @@ def test_frequencies_match_transformers_llama3():
         hidden_size=512, num_attention_heads=4, max_position_embeddings=1024, rope_theta=500000.0, rope_scaling=scaling
     )
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    ours = rope_inverse_frequencies(args.head_dim, args.rope_theta) / rope_frequency_divisors(args)
+    ours = rope_inverse_frequencies(args.head_size, args.rope_theta) / rope_frequency_divisors(args)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
     divisors = rope_frequency_divisors(args)
     assert divisors[0] == 1 and divisors[-1] == 8 and ((divisors > 1) & (divisors < 8)).any()  # all three regimes

@@ -1,7 +1,7 @@
 import pytest
 
+from phalanx.models.decoder import ModelArgs
 from phalanx.models.flops import achieved_tflops, count_params, flops_per_token, mfu, peak_tflops
-from phalanx.models.llama import ModelArgs
 
 SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100, max_seq_len=64)
 

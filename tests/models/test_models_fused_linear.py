@@ -5,14 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phalanx.models import llama
-from phalanx.models.llama import (
-    ModelArgs,
-    Transformer,
-    apply_rope,
-    rope_tables,
-    rotate_half,
-)
+from phalanx.models import decoder, rope
+from phalanx.models.decoder import ModelArgs, Transformer
+from phalanx.models.rope import apply_rope, rope_tables, rotate_half
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=384, max_seq_len=64)
 
@@ -32,7 +27,7 @@ def test_fused_backward_keeps_the_forward_and_the_gradients(autocast, monkeypatc
     model = Transformer(ARGS)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 48))
     fused = loss_and_grads(model, tokens, autocast)
-    monkeypatch.setattr(llama, "shared_input_linears", lambda x, linears: tuple(m(x) for m in linears))
+    monkeypatch.setattr(decoder, "shared_input_linears", lambda x, linears: tuple(m(x) for m in linears))
     plain = loss_and_grads(model, tokens, autocast)
     assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
     tolerance = 1e-2 if autocast else 1e-5  # bf16's rounding, float32's
@@ -42,7 +37,7 @@ def test_fused_backward_keeps_the_forward_and_the_gradients(autocast, monkeypatc
 
 def test_inference_takes_the_plain_modules(monkeypatch):
     calls = []
-    monkeypatch.setattr(llama.nn.Linear, "forward", lambda self, x: calls.append(1) or F.linear(x, self.weight))
+    monkeypatch.setattr(decoder.nn.Linear, "forward", lambda self, x: calls.append(1) or F.linear(x, self.weight))
     model = Transformer(ARGS)
     with torch.no_grad():
         model(torch.zeros(1, 4, dtype=torch.long))
@@ -62,14 +57,14 @@ def rotate_half_rope(x, cos, sin):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_roped_q_and_its_gradient_are_the_composites_bits(dtype):
-    """RoPE's written-out backward (llama._Rotation) and its cat-free forward, on the strided q the
+    """RoPE's written-out backward (rope._Rotation) and its cat-free forward, on the strided q the
     attention hands it, against autograd of the plain formula."""
     cos, sin = rope_tables(16, 64, 10000.0)
-    signed = llama.rope_rotation(cos[:24], sin[:24], dtype)
+    signed = rope.rope_rotation(cos[:24], sin[:24], dtype)
     q = torch.randn(2, 24, 4, 16).to(dtype).transpose(1, 2)  # (B, H, T, E) as a view, like Attention's
     grad = torch.randn(2, 4, 24, 16).to(dtype)
     ours, plain = q.detach().requires_grad_(), q.detach().requires_grad_()
-    out = llama.rotate(ours, *signed)
+    out = rope.rotate(ours, *signed)
     out.backward(grad)
     assert type(out.grad_fn).__name__ == "_RotationBackward"
     expected = rotate_half_rope(plain, cos[:24].to(dtype), sin[:24].to(dtype))
@@ -80,6 +75,6 @@ def test_roped_q_and_its_gradient_are_the_composites_bits(dtype):
     row_cos, row_sin = cos[positions][:, None, None], sin[positions][:, None, None]
     x = torch.randn(2, 4, 1, 16).to(dtype)
     assert torch.equal(
-        llama.rotate(x, *llama.rope_rotation(row_cos, row_sin, dtype)),
+        rope.rotate(x, *rope.rope_rotation(row_cos, row_sin, dtype)),
         rotate_half_rope(x, row_cos.to(dtype), row_sin.to(dtype)),
     )

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from phalanx.errors import PhalanxError
+from phalanx.models.decoder import Transformer
 from phalanx.models.flops import count_params
-from phalanx.models.llama import Transformer
 from phalanx.models.presets import MODEL_PRESETS, get_preset
 
 # Meta's published sizes for the Llama 3 family.

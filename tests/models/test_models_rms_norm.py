@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phalanx.models import llama
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models import decoder
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.rms_norm import rms_norm
 
 EPS = 1e-5
@@ -81,7 +81,7 @@ def test_the_model_keeps_its_loss_bits_with_the_hand_written_backward(autocast, 
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     ours = loss_and_grads()
-    monkeypatch.setattr(llama, "rms_norm", lambda x, w, eps: composite(x, w))
+    monkeypatch.setattr(decoder, "rms_norm", lambda x, w, eps: composite(x, w))
     plain = loss_and_grads()
     assert torch.equal(ours[0], plain[0])
     tolerance = 1e-2 if autocast else 1e-5

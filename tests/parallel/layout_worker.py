@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.config.schema import ParallelSection
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 from phalanx.parallel.build import build_parallel_model
 from phalanx.parallel.mesh import build_mesh, resolve_layout
 

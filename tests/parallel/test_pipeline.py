@@ -11,7 +11,7 @@ import torch
 
 from phalanx.config.schema import ParallelSection
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.parallel.pipeline import (
     PipelinedModel,
     StagePlan,
@@ -74,17 +74,17 @@ def test_stages_chained_compute_the_whole_model_under_its_names(n_stages):
     model = Transformer(ARGS)
     stages = [TransformerStage(model, plan) for plan in split_layers(ARGS.n_layers, n_stages)]
     for stage in stages:
-        stage.init_rope()
+        stage.part.init_rope()
     tokens = torch.randint(0, ARGS.vocab_size, (2, 12))
     x = tokens
     for stage in stages:
         x = stage(x)
     assert torch.equal(x, model(tokens))
     # Every parameter once, under the name one process gives it: seeded init and checkpoints line up.
-    names = [name for stage in stages for name, _ in stage.named_parameters()]
+    names = [name for stage in stages for name, _ in stage.part.named_parameters()]
     assert sorted(names) == sorted(name for name, _ in model.named_parameters())
     rank0 = PipelinedModel(model, stages[0::2])
-    assert {n for n, _ in rank0.named_parameters()} == {n for s in stages[0::2] for n, _ in s.named_parameters()}
+    assert {n for n, _ in rank0.named_parameters()} == {n for s in stages[0::2] for n, _ in s.part.named_parameters()}
 
 
 @pytest.mark.parametrize(

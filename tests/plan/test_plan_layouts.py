@@ -46,7 +46,7 @@ def test_communication_by_kind():
     pipe = communication(args, Parallelism(dp_shard=2, pp=4, microbatches=8), 1, 4096, "bfloat16")
     assert pipe["pp send/recv"] == pytest.approx(2 * 8 * 4096 * args.dim * 2)
     ring = communication(args, Parallelism(dp_shard=2, cp=4), 1, 4096, "bfloat16")
-    kv = 2 * 1024 * args.n_kv_heads * args.head_dim * 2
+    kv = 2 * 1024 * args.n_kv_heads * args.head_size * 2
     assert ring["cp K/V ring"] == pytest.approx(3 * args.n_layers * kv * 3)
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.flops import count_params
-from phalanx.models.llama import ModelArgs, Transformer
 from phalanx.models.presets import MODEL_PRESETS
 from phalanx.plan.memory import CATEGORIES, Workload, _StepWalk, estimate, param_shapes
 
@@ -16,7 +16,7 @@ SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, voca
 
 
 def rope_bytes(args):
-    return 2 * 4 * args.max_seq_len * args.head_dim
+    return 2 * 4 * args.max_seq_len * args.head_size
 
 
 def step_counters(args):
@@ -31,7 +31,7 @@ def test_param_shapes_are_the_models(name):
         model = Transformer(args)
     real = {
         "root": [tuple(p.shape) for n, p in model.named_parameters() if not n.startswith("layers.")],
-        "block": [tuple(p.shape) for p in model.layers[0].parameters()],
+        "block": [tuple(p.shape) for p in model.layers["0"].parameters()],
     }
     shapes = param_shapes(args)
     assert sorted(shapes["root"]) == sorted(real["root"]) and sorted(shapes["block"]) == sorted(real["block"])
@@ -127,7 +127,7 @@ def saved_bytes_by_unit(args, regime, batch, seq):
             saved[storage.data_ptr()] = (nbytes, where if where == unit[0] else "shared")
         return t
 
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers.values()):
         layer.register_forward_pre_hook(lambda *_, i=i: unit.__setitem__(0, f"block{i}"))
     model.norm.register_forward_pre_hook(lambda *_: unit.__setitem__(0, "head"))
     tokens = torch.randint(0, args.vocab_size, (batch, seq))

@@ -26,7 +26,7 @@ def model(request):
     context gets its own argmax, so a bit a neighbour changed would show)."""
     import torch
 
-    from phalanx.models.llama import Transformer
+    from phalanx.models.decoder import Transformer
 
     torch.manual_seed(0)
     return Transformer(request.module.ARGS).eval()

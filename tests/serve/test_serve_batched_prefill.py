@@ -12,7 +12,8 @@ from itertools import pairwise
 import pytest
 import torch
 
-from phalanx.models.llama import KVCache, ModelArgs, Transformer
+from phalanx.models.decoder import KVCache, ModelArgs, Transformer
+from phalanx.models.token_pass import Cached
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.engines.prefill import prefill_rows_agree, prefill_together
 from phalanx.serve.engines.row_invariant import RowInvariantLinear, make_rows_invariant
@@ -71,7 +72,7 @@ def prefill_alone(net: Transformer, ids: list[int], cache: KVCache, row: int) ->
         (),
         {"max_len": cache.max_len, "layer": lambda self, i: (cache.k[i][row : row + 1], cache.v[i][row : row + 1])},
     )()
-    return net(torch.tensor([ids]), view, start_pos=0)[0, -1]
+    return net(torch.tensor([ids]), Cached(view))[0, -1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,7 +141,7 @@ def test_where_tall_products_are_not_row_invariant_prompts_are_prefilled_one_at_
     mkl = Transformer(ARGS).eval()
     assert not prefill_rows_agree(mkl)  # torch's own layers: nothing proves their rows
     assert make_rows_invariant(mkl) and prefill_rows_agree(mkl)
-    block = mkl.layers[0]
+    block = mkl.layers["0"]
     block.feed_forward.w1 = PlainMatmul(torch.nn.Linear(ARGS.dim, ARGS.ffn_dim, bias=False))
     assert not prefill_rows_agree(mkl)  # what the engine checks before it prefills together
 

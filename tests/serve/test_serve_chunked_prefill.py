@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from phalanx.models.llama import KVCache, ModelArgs, Transformer
+from phalanx.models.decoder import KVCache, ModelArgs, Transformer
+from phalanx.models.token_pass import Cached
 from phalanx.serve.core.contract import QueueFull
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.core.structured_output import schema_grammar
@@ -93,7 +94,7 @@ def test_chunks_attend_over_the_cached_positions_before_them(model):
     """Chunk by chunk gives the one-pass prefill's logits and keys (to rounding: other product shapes)."""
     one, chunked = KVCache(ARGS, 1, ARGS.max_seq_len), KVCache(ARGS, 1, ARGS.max_seq_len)
     with torch.no_grad():
-        expected = model(torch.tensor([LONG]), one, start_pos=0)[0, -1]
+        expected = model(torch.tensor([LONG]), Cached(one))[0, -1]
         for start, end in chunk_plan(len(LONG), CHUNK):
             got = prefill_chunk(model, LONG[start:end], chunked, start)
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()

@@ -16,7 +16,8 @@ import pytest
 import torch
 from serve_helpers import wait_healthy
 
-from phalanx.models.llama import KVCache, ModelArgs, Transformer
+from phalanx.models.decoder import KVCache, ModelArgs, Transformer
+from phalanx.models.token_pass import Cached, DecodeRows
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.engines.int8_weights import Int8WeightLinear, quantize_linear_weights
 from phalanx.serve.engines.torch_engine import Engine
@@ -84,9 +85,9 @@ def test_a_float32_cache_holds_a_bf16_models_keys_and_values_exactly(tokenizer):
                     (),
                     {"max_len": 64, "layer": lambda self, i, r=row: (cache.k[i][r : r + 1], cache.v[i][r : r + 1])},
                 )()
-                out.append(model(seq[None, :-1], view, start_pos=0)[0, -1])
+                out.append(model(seq[None, :-1], Cached(view, 0))[0, -1])
             last = torch.stack([seq[-1] for seq in seqs])[:, None]
-            out.append(model(last, cache, positions_B=torch.tensor([len(s) - 1 for s in seqs]))[:, 0])
+            out.append(model(last, DecodeRows(cache, torch.tensor([len(s) - 1 for s in seqs])))[:, 0])
         return out
 
     assert all(torch.equal(a, b) for a, b in zip(logits(torch.float32), logits(torch.bfloat16)))
@@ -94,7 +95,7 @@ def test_a_float32_cache_holds_a_bf16_models_keys_and_values_exactly(tokenizer):
     assert (
         engine.cache.k[0].dtype == torch.float32
         and engine.kv_cache_bytes
-        == 4 * 2 * ARGS.n_layers * (2 + 1) * ARGS.n_kv_heads * ARGS.max_seq_len * ARGS.head_dim
+        == 4 * 2 * ARGS.n_layers * (2 + 1) * ARGS.n_kv_heads * ARGS.max_seq_len * ARGS.head_size
     )  # k and v, 2 slots and the chunk row
 
 

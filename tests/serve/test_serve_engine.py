@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from phalanx.models.llama import KVCache, ModelArgs, Transformer
+from phalanx.models.decoder import KVCache, ModelArgs, Transformer
+from phalanx.models.token_pass import Cached, DecodeRows
 from phalanx.serve.core.contract import PromptTooLong, QueueFull
 from phalanx.serve.core.options import InvalidOptions, SamplingOptions
 from phalanx.serve.engines.torch_engine import Engine
@@ -82,9 +83,9 @@ def test_batched_decode_matches_the_plain_forward(model):
                 (),
                 {"max_len": 64, "layer": lambda self, i, r=row: (cache.k[i][r : r + 1], cache.v[i][r : r + 1])},
             )()
-            model(seq[None, :-1], view, start_pos=0)
+            model(seq[None, :-1], Cached(view, 0))
         last = torch.stack([seq[-1] for seq in seqs])[:, None]
-        batched = model(last, cache, positions_B=torch.tensor(lengths))[:, 0]
+        batched = model(last, DecodeRows(cache, torch.tensor(lengths)))[:, 0]
         for row, seq in enumerate(seqs):
             torch.testing.assert_close(batched[row], model(seq[None])[0, -1], rtol=0, atol=1e-5)
 
@@ -211,9 +212,9 @@ def test_a_rows_logits_never_depend_on_its_neighbours_or_its_row():
             },
         )()
         with torch.no_grad():
-            net(seq[None, :-1], view, start_pos=0)
+            net(seq[None, :-1], Cached(view, 0))
             tokens[row, 0], positions[row] = seq[-1], len(seq) - 1
-            return net(tokens, cache, positions_B=positions)[row, 0]
+            return net(tokens, DecodeRows(cache, positions))[row, 0]
 
     alone = logits_in(0, busy=False)
     for row in (0, 5, 11, 15):

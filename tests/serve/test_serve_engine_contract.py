@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 from phalanx.serve.core.contract import QueueFull, Request, ServingEngine
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.core.scheduler import EngineSteps, Pending, ScheduledEngine, SlotScheduler, join_each

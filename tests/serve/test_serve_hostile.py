@@ -20,7 +20,7 @@ import torch
 from serve_helpers import API_KEY, MODEL, InProcessServer
 
 from phalanx.http_auth import FailedAuthLimiter, bearer_token, client_key
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.serve.core.options import InvalidOptions, SamplingOptions
 from phalanx.serve.engines.torch_engine import Engine
 

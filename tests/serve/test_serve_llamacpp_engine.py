@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from phalanx.export.gguf_export import write_gguf
-from phalanx.models.llama import Transformer
+from phalanx.models.decoder import Transformer
 from phalanx.run.model_loader import LoadedModel, load_model
 from phalanx.serve.core.contract import PromptTooLong, QueueFull
 from phalanx.serve.core.options import SamplingOptions
@@ -342,7 +342,7 @@ def test_observer_kv_cache_and_shutdown(models, tokenizer):
     args = models["random"].transformer.args
     engine = started(models["random"].gguf, tokenizer, slots=2, max_queue=4, observer=observer)
     assert engine.context == 256 and engine.vocab_size == args.vocab_size
-    assert engine.kv_cache_bytes == 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2 * 256 * 4  # f32
+    assert engine.kv_cache_bytes == 2 * args.n_layers * args.n_kv_heads * args.head_size * 2 * 256 * 4  # f32
     prompts = [ids(tokenizer, p) for p in PROMPTS[:2]]
     for prompt in prompts:
         run(engine, prompt, greedy(7))
@@ -360,7 +360,7 @@ def test_observer_kv_cache_and_shutdown(models, tokenizer):
     # f16, and a context llama.cpp rounds up to its 256-cell granule: the bytes it really holds.
     half = LlamaCppEngine(models["random"].gguf, tokenizer, slots=2, context=128, kv_dtype="f16")
     assert half.context == 128
-    assert half.kv_cache_bytes == 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2 * 256 * 2
+    assert half.kv_cache_bytes == 2 * args.n_layers * args.n_kv_heads * args.head_size * 2 * 256 * 2
     half.stop()  # never started: frees llama.cpp's memory at once
 
 

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.engines.row_invariant import RowInvariantLinear, rows_agree
 from phalanx.serve.engines.torch_engine import Engine, step_span, step_width

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from serve_helpers import API_KEY, serve_process
 
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 
 pytestmark = pytest.mark.slow  # needs .venv-vllm (scripts/setup_vllm.sh), and starts vLLM: tens of seconds
 

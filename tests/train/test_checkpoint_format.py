@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.parallel.distributed import DistEnv
 from phalanx.run.layout import TRAINER_STATE
 from phalanx.train.checkpoint import Checkpointer, state_dict_options

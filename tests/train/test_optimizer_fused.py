@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from phalanx.config.schema import TrainSection
-from phalanx.models.llama import ModelArgs, Transformer
+from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.parallel.distributed import DistEnv
 from phalanx.train.checkpoint import Checkpointer
 from phalanx.train.optim import adamw_implementation, build_optimizer

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from phalanx.models.llama import Transformer
+from phalanx.models.decoder import Transformer
 
 MAX_BATCH_TOKENS = 512  # padded tokens per forward: bounds memory and how long one turn holds the cores
 MAX_INPUTS = 2048  # inputs per request, as OpenAI's embeddings endpoint allows

@@ -12,9 +12,9 @@ prompt's bits are those of its prefill alone because
     the same strides), on the same bits;
   - only each prompt's last row goes through the final norm and the output layer, whose rows are again
     independent of the number of rows.
-The steps mirror TransformerBlock and Attention.forward (models/llama.py) for a cache starting at
-position 0; tests/serve/test_serve_batched_prefill.py proves them bit-identical to the model's own
-forward.
+The pass is the model's own forward with a TokenPass (PackedPrompts) that places each prompt's tokens
+at its own positions and attends per prompt; tests/serve/test_serve_batched_prefill.py proves it
+bit-identical to each prompt's prefill alone.
 
 Chunked prefill: a prompt longer than PREFILL_CHUNK_TOKENS is prefilled chunk by chunk (prefill_chunk),
 one chunk per step boundary, so the running requests decode between its chunks and shorter prompts join
@@ -25,16 +25,9 @@ chunk pass holds that one prompt only, so its bits are the same alone and in a b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from phalanx.models.llama import (
-    Attention,
-    KVCache,
-    Transformer,
-    rope_dtype,
-    rope_rotation,
-    rotate,
-)
+from phalanx.models.decoder import KVCache, Transformer
+from phalanx.models.token_pass import Cached, TokenPass, causal_sdpa, check_length, heads_last
 from phalanx.serve.engines.row_invariant import RowInvariantLinear
 
 # Prompt tokens one step boundary prefills together at most (torch_engine.py's prefill_budget; a longer prompt
@@ -64,7 +57,7 @@ def prefill_rows_agree(model: Transformer, rows: int = 320) -> bool:
     fp32 holds at every height tried up to 2048; bf16 does not (rows in the tail block of a tall product
     change), so there the engine prefills one prompt at a time. 320 rows: above MAX_PREFILL_TOKENS, the
     tallest pass of more than one prompt (a longer prompt goes alone, the same product alone or not)."""
-    block = model.layers[0]
+    block = model.layers["0"]
     linears = [*block.attention.children(), *block.feed_forward.children()]
     if not all(isinstance(linear, RowInvariantLinear) for linear in linears):
         return False  # a layer of another kind (torch's own, int8 weights): nothing here proves its rows
@@ -84,52 +77,51 @@ def prefill_rows_agree(model: Transformer, rows: int = 320) -> bool:
 _SLICES = ((0, 1), (3, 17), (0, 33), (5, 100), (60, 257))  # (offset, rows): short, odd and tall products
 
 
+class PackedPrompts(TokenPass):
+    """Prompts laid end to end as one (1, total) sequence, each from position 0 into its own cache row
+    (prompt i into row rows[i]); each attends to its own tokens only, through the very SDPA call its
+    prefill alone makes ((1, H, T, E), causal, the same strides), and only each prompt's last token goes
+    on to the head."""
+
+    def __init__(self, lengths: list[int], cache: KVCache, rows: list[int], device):
+        self.lengths, self.cache, self.rows = lengths, cache, rows
+        self.last = torch.tensor(lengths, device=device).cumsum(0) - 1
+
+    def rope_positions(self, length, max_seq_len, device):
+        check_length(max(self.lengths), max_seq_len)
+        return torch.cat([torch.arange(n, device=device) for n in self.lengths])
+
+    def attend(self, attention, q_1HTE, k_1KTE, v_1KTE):
+        cache_k, cache_v = self.cache.layer(attention.layer_index)
+        outs, start = [], 0
+        for n, row in zip(self.lengths, self.rows):
+            end = start + n
+            keys, values = cache_k[row : row + 1], cache_v[row : row + 1]
+            keys[:, :, :n] = k_1KTE[:, :, start:end]
+            values[:, :, :n] = v_1KTE[:, :, start:end]
+            # A server's float32 cache holds a bf16 model's keys exactly (torch_engine.py): cast them back.
+            dtype = q_1HTE.dtype
+            outs.append(
+                causal_sdpa(
+                    q_1HTE[:, :, start:end],
+                    keys[:, :, :n].to(dtype),
+                    values[:, :, :n].to(dtype),
+                    attention.sliding_window,
+                )
+            )
+            start = end
+        return heads_last(torch.cat(outs, dim=2))
+
+    def head_rows(self, h_1TD):
+        return h_1TD[:, self.last]
+
+
 def prefill_together(model: Transformer, prompts: list[list[int]], cache: KVCache, rows: list[int]) -> torch.Tensor:
     """Prefill prompts[i] into cache row rows[i] from position 0, all in one pass; the logits (n, V) of
     each prompt's last token."""
     device = model.tok_embeddings.weight.device
-    lengths = [len(p) for p in prompts]
     tokens_1T = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=device)
-    positions_T = torch.cat([torch.arange(n, device=device) for n in lengths])
-    x_1TD = model.tok_embeddings(tokens_1T)
-    rope = rope_rotation(model.rope_cos[positions_T], model.rope_sin[positions_T], rope_dtype(x_1TD))
-    for i, block in enumerate(model.layers):
-        h_1TD = x_1TD + _attend_each(
-            block.attention, block.attention_norm(x_1TD), rope, lengths, cache.k[i], cache.v[i], rows
-        )
-        x_1TD = h_1TD + block.feed_forward(block.ffn_norm(h_1TD))
-    last = torch.tensor(lengths, device=device).cumsum(0) - 1
-    return model.output(model.norm(x_1TD[:, last]))[0]
-
-
-def _attend_each(attention: Attention, x_1TD, rope, lengths, cache_k, cache_v, rows):
-    """Attention.forward for each prompt alone (start_pos 0), on one projection of all of them."""
-    T, E = x_1TD.shape[1], attention.head_dim
-    q_1HTE = attention.wq(x_1TD).view(1, T, -1, E).transpose(1, 2)
-    k_1KTE = attention.wk(x_1TD).view(1, T, -1, E).transpose(1, 2)
-    v_1KTE = attention.wv(x_1TD).view(1, T, -1, E).transpose(1, 2)
-    q_1HTE, k_1KTE = rotate(q_1HTE, *rope), rotate(k_1KTE, *rope)
-    outs, start = [], 0
-    for n, row in zip(lengths, rows):
-        end = start + n
-        keys, values = cache_k[row : row + 1], cache_v[row : row + 1]
-        keys[:, :, :n] = k_1KTE[:, :, start:end]
-        values[:, :, :n] = v_1KTE[:, :, start:end]
-        # is_causal only where there is a triangle: a one-token prompt's lone query sees its one key, as
-        # the model's forward does it (T == 1: not causal).
-        # A server's float32 cache holds a bf16 model's keys exactly (torch_engine.py): cast them back.
-        dtype = q_1HTE.dtype
-        outs.append(
-            F.scaled_dot_product_attention(
-                q_1HTE[:, :, start:end],
-                keys[:, :, :n].to(dtype),
-                values[:, :, :n].to(dtype),
-                is_causal=n > 1,
-                enable_gqa=True,
-            )
-        )
-        start = end
-    return attention.wo(torch.cat(outs, dim=2).transpose(1, 2).reshape(1, T, -1))
+    return model(tokens_1T, PackedPrompts([len(p) for p in prompts], cache, rows, device))[0]
 
 
 def chunk_plan(length: int, size: int) -> list[tuple[int, int]]:
@@ -142,13 +134,9 @@ def chunk_plan(length: int, size: int) -> list[tuple[int, int]]:
 def prefill_chunk(model: Transformer, chunk: list[int], cache: KVCache, start: int) -> torch.Tensor:
     """Prefill one chunk of a prompt, the tokens at positions start.., into `cache` (one row) after the
     prompt's earlier chunks there; the logits (V,) of the chunk's last token (the prompt's next-token
-    logits when it is the last chunk). The model's own blocks: a chunk's queries attend causally over the
-    cached positions before it and itself (Attention.forward's start_pos mask). Only the last row goes
-    through the final norm and the output layer: the other rows' logits are never used."""
+    logits when it is the last chunk). A chunk's queries attend causally over the cached positions before
+    it and itself. Only the last row goes through the final norm and the output layer: the other rows'
+    logits are never used."""
     device = model.tok_embeddings.weight.device
-    end = start + len(chunk)
-    x_1TD = model.tok_embeddings(torch.tensor([chunk], dtype=torch.long, device=device))
-    rope = rope_rotation(model.rope_cos[start:end], model.rope_sin[start:end], rope_dtype(x_1TD))
-    for i, block in enumerate(model.layers):
-        x_1TD = block(x_1TD, *rope, cache.layer(i), start)
-    return model.output(model.norm(x_1TD[:, -1:]))[0, -1]
+    tokens_1T = torch.tensor([chunk], dtype=torch.long, device=device)
+    return model(tokens_1T, Cached(cache, start, last_only=True))[0, -1]

@@ -26,7 +26,7 @@ Greedy decoding gives a request the same tokens alone as in a busy batch because
 sees its neighbours or the step's width: the linear layers run through oneDNN on packed weights
 (row_invariant.py), whose rows are the same bits at any batch size, where MKL's are not; a prompt's
 attention in a batched prefill is the very call its prefill alone makes; the attention of batched
-decoding is spelt out row by row (Attention.attend_rows), and positions beyond a row's length weigh
+decoding is spelt out row by row (models/token_pass.py DecodeRows), and positions beyond a row's length weigh
 exactly 0 whatever the span. Where that cannot be had (a GPU, another dtype) every step keeps today's
 full shape, (slots, 1) over the whole context, idle rows padded; and where tall products are not
 row-invariant (bf16 on this CPU: batched_prefill) each prompt is prefilled alone through the model's own
@@ -60,7 +60,8 @@ import torch
 from tokenizers import Tokenizer
 
 from phalanx.data.tokenizer import special_ids
-from phalanx.models.llama import KVCache, Transformer, decode_attention_dtype
+from phalanx.models.decoder import KVCache, Transformer
+from phalanx.models.token_pass import Cached, DecodeRows, decode_attention_dtype
 from phalanx.serve.core.contract import EngineObserver, Request
 from phalanx.serve.core.sampler import RequestSampler
 from phalanx.serve.core.scheduler import Pending, ScheduledEngine, SlotScheduler
@@ -295,7 +296,7 @@ class Engine(ScheduledEngine):
             )
         (run,) = group  # one at a time, through the model's own forward
         prompt_1T = torch.tensor([run.request.prompt_ids], dtype=torch.long, device=self.device)
-        return self.model(prompt_1T, _SlotCache(self.cache, self._rows[run.slot]), start_pos=0)[:, -1]
+        return self.model(prompt_1T, Cached(_SlotCache(self.cache, self._rows[run.slot])))[:, -1]
 
     def _start(self, slot: int, request: Request) -> _Running | None:
         """A joining request's running state in the next free cache row; None if it ends before a prefill."""
@@ -337,7 +338,7 @@ class Engine(ScheduledEngine):
             tokens_N1 = torch.tensor(tokens, dtype=torch.long, device=self.device).view(width, 1)
             positions_N = torch.tensor(positions, dtype=torch.long, device=self.device)
             cache = _StepCache(self.cache, width, span)
-            logits_NV = self.model(tokens_N1, cache, positions_B=positions_N)[:, 0].float()
+            logits_NV = self.model(tokens_N1, DecodeRows(cache, positions_N))[:, 0].float()
             greedy = logits_NV.argmax(dim=-1).tolist()
         except Exception as e:  # the batched forward itself: fail this step's requests, keep serving
             log.exception("decode step failed")

@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 
 from phalanx.data.tokenizer import special_ids
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import ModelArgs
+from phalanx.models.decoder import ModelArgs
 from phalanx.run.hf_format import read_hf_args
 from phalanx.serve.core.contract import EngineObserver, Request
 from phalanx.serve.core.scheduler import Pending, ScheduledEngine, SlotScheduler, join_each
@@ -287,5 +287,5 @@ def _kv_cache_bytes(args: ModelArgs, dtype: torch.dtype, slots: int, context: in
     """Keys and values for `slots` sequences of `context` tokens, in whole 128-token blocks (the largest
     block size vLLM picks; a smaller one divides it)."""
     blocks = -(-context // 128)
-    per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim
+    per_token = 2 * args.n_layers * args.n_kv_heads * args.head_size
     return slots * blocks * 128 * per_token * torch.empty((), dtype=dtype).element_size()

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from phalanx.errors import PhalanxError
-from phalanx.models.llama import KVCache, ModelArgs, Transformer, apply_rope, rope_rotation, rope_tables
+from phalanx.models.decoder import KVCache, ModelArgs, Transformer
+from phalanx.models.rope import apply_rope, rope_rotation, rope_tables
+from phalanx.models.token_pass import Cached, Causal
 
 ARGS = ModelArgs(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97, max_seq_len=32, rope_theta=10000.0
@@ -45,9 +47,9 @@ def test_kv_cache_prefill_then_single_steps_matches_full_forward():
     with torch.no_grad():
         full = model(x)
         cache = KVCache(ARGS, batch_size=2, max_len=12)
-        steps = [model(x[:, :5], cache, start_pos=0)]
+        steps = [model(x[:, :5], Cached(cache, 0))]
         for pos in range(5, 12):
-            steps.append(model(x[:, pos : pos + 1], cache, start_pos=pos))
+            steps.append(model(x[:, pos : pos + 1], Cached(cache, pos)))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 
@@ -57,7 +59,7 @@ def test_kv_cache_chunked_prefill_matches_full_forward():
     with torch.no_grad():
         full = model(x)
         cache = KVCache(ARGS, batch_size=2, max_len=16)
-        chunks = [model(x[:, 0:4], cache, 0), model(x[:, 4:9], cache, 4), model(x[:, 9:12], cache, 9)]
+        chunks = [model(x[:, a:b], Cached(cache, a)) for a, b in ((0, 4), (4, 9), (9, 12))]
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=0, atol=1e-5)
 
 
@@ -66,7 +68,7 @@ def test_too_long_sequences_raise_phalanx_error():
     with pytest.raises(PhalanxError, match="max_seq_len"):
         model(tokens(1, ARGS.max_seq_len + 1))
     with pytest.raises(PhalanxError, match="KV cache"):
-        model(tokens(1, 9), KVCache(ARGS, 1, max_len=8), 0)
+        model(tokens(1, 9), Cached(KVCache(ARGS, 1, max_len=8)))
     with pytest.raises(PhalanxError, match="max_seq_len"):
         KVCache(ARGS, 1, max_len=ARGS.max_seq_len + 1)
 
@@ -89,11 +91,11 @@ def reference_attention(attn, x_BTD, cos_TE, sin_TE):
 
 def test_grouped_query_attention_matches_repeated_kv_reference():
     model = build()
-    attn = model.layers[0].attention
+    attn = model.layers["0"].attention
     x = torch.randn(2, 9, ARGS.dim)
     cos, sin = model.rope_cos[:9], model.rope_sin[:9]
     with torch.no_grad():
-        out = attn(x, *rope_rotation(cos, sin, x.dtype))  # the layers take the tables once made for all
+        out = attn(x, rope_rotation(cos, sin, x.dtype), Causal())  # the layers take the tables once made for all
         torch.testing.assert_close(out, reference_attention(attn, x, cos, sin), rtol=0, atol=1e-5)
 
 
@@ -120,9 +122,9 @@ def test_init_is_deterministic_and_scaled():
     a, b, c = build(seed=3), build(seed=3), build(seed=4)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
-    assert not torch.equal(a.layers[0].attention.wq.weight, c.layers[0].attention.wq.weight)
+    assert not torch.equal(a.layers["0"].attention.wq.weight, c.layers["0"].attention.wq.weight)
     assert torch.equal(a.norm.weight, torch.ones(ARGS.dim))
-    wq_std, wo_std = a.layers[0].attention.wq.weight.std(), a.layers[0].attention.wo.weight.std()
+    wq_std, wo_std = a.layers["0"].attention.wq.weight.std(), a.layers["0"].attention.wo.weight.std()
     assert wq_std.item() == pytest.approx(0.02, rel=0.1)
     assert wo_std.item() == pytest.approx(0.02 / math.sqrt(2 * ARGS.n_layers), rel=0.1)
 
@@ -182,7 +184,7 @@ def test_matches_hugging_face_llama_when_available():
     names |= {"wo": "self_attn.o_proj", "w1": "mlp.gate_proj", "w3": "mlp.up_proj", "w2": "mlp.down_proj"}
     state = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight}
     state["lm_head.weight"] = model.output.weight
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers.values()):
         p = f"model.layers.{i}."
         state[p + "input_layernorm.weight"] = layer.attention_norm.weight
         state[p + "post_attention_layernorm.weight"] = layer.ffn_norm.weight
