@@ -69,9 +69,14 @@ class RunSection(Section):
 
 
 class ModelSection(Section):
-    """A named preset, with any of its shape fields overridden."""
+    """A named preset, with any of its shape fields overridden; or a pretrained Hugging Face checkpoint."""
+
+    OFF_MEANS = {"pretrained": None}
 
     preset: str = "tiny"
+    # A Hugging Face checkpoint directory (config.json, safetensors weights, tokenizer.json): the run
+    # starts from its weights, with its architecture and its tokenizer (models/families/).
+    pretrained: str | None = None
     dim: PositiveInt | None = None
     n_layers: PositiveInt | None = None
     n_heads: PositiveInt | None = None
@@ -88,6 +93,12 @@ class ModelSection(Section):
     rope_low_freq_factor: float | None = Field(None, gt=0)
     rope_high_freq_factor: float | None = Field(None, gt=0)
     rope_original_max_seq_len: PositiveInt | None = None
+    # What the families add to Llama's decoder (models/decoder.py ModelArgs).
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = None
+    head_dim: PositiveInt | None = None  # per attention head; unset: dim / n_heads
+    qkv_bias: bool | None = None
+    qk_norm: bool | None = None
+    sliding_window: PositiveInt | None = None
 
 
 class DataSection(Section):

@@ -24,7 +24,7 @@ import numpy as np
 
 from phalanx.data.corpus import iter_documents, resolve_sources, sources_fingerprint
 from phalanx.data.shards import ShardWriter, VerifiedShard
-from phalanx.data.tokenizer import encode_documents, load_tokenizer, train_tokenizer
+from phalanx.data.tokenizer import companion_files, encode_documents, load_tokenizer, train_tokenizer
 from phalanx.errors import PhalanxError
 
 FORMAT_VERSION = 2  # 2: shards carry chunk checksums (data/shards.py)
@@ -120,6 +120,9 @@ def _build(dir, resolved, sources, vocab_size, tokenizer_file, val_fraction, tex
         else:
             tok = load_tokenizer(tokenizer_file)
         tok.save(str(dir / "tokenizer.json"))
+        if tokenizer_file is not None:  # its specials and chat template stay beside it (data/tokenizer.py)
+            for companion in companion_files(tokenizer_file.parent):
+                shutil.copyfile(companion, dir / companion.name)
         actual_vocab = max(tok.get_vocab().values()) + 1
         if actual_vocab > vocab_size:
             raise PhalanxError(
@@ -144,7 +147,13 @@ def _build(dir, resolved, sources, vocab_size, tokenizer_file, val_fraction, tex
 
 
 def _cache_key(resolved, vocab_size, tokenizer_file, val_fraction, text_field) -> str:
-    tokenizer_hash = hashlib.sha256(tokenizer_file.read_bytes()).hexdigest() if tokenizer_file else None
+    tokenizer_hash = None
+    if tokenizer_file:
+        # The companion files decide the framing (BOS or none) and travel with the prepared tokenizer.
+        digest = hashlib.sha256(tokenizer_file.read_bytes())
+        for companion in companion_files(tokenizer_file.parent):
+            digest.update(f"\0{companion.name}\0".encode() + companion.read_bytes())
+        tokenizer_hash = digest.hexdigest()
     parts = [FORMAT_VERSION, sources_fingerprint(resolved), vocab_size, tokenizer_hash, val_fraction, text_field]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 

@@ -43,5 +43,5 @@ def export_run(source: Path, fmt: str, out: Path, dtype: str = "f32", force: boo
             from phalanx.run.gguf_format import GGUF_FILE
 
             write_gguf(loaded, tmp / GGUF_FILE, loaded.name, dtype)
-            (tmp / "Modelfile").write_text(modelfile(GGUF_FILE))
+            (tmp / "Modelfile").write_text(modelfile(GGUF_FILE, loaded.chat_template))
     return sorted(out.iterdir())

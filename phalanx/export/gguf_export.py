@@ -1,13 +1,17 @@
-"""GGUF export for llama.cpp and Ollama, written with the `gguf` package's GGUFWriter (architecture `llama`).
+"""GGUF export for llama.cpp and Ollama, written with the `gguf` package's GGUFWriter: Llama and Mistral as
+llama.cpp's `llama` architecture, Qwen2 as `qwen2` (with attn_{q,k,v}.bias), Qwen3 as `qwen3` (with
+attn_{q,k}_norm); check_llama_cpp_computes refuses what those architectures cannot run.
 
 (Named gguf_export, not gguf, so it never shadows the `gguf` package.)
 
 Two things differ from the HF export:
-- Q and K projections are permuted. phalanx (like HF) applies RoPE in the rotate_half layout: within
-  a head, dimension i is rotated together with dimension i + E/2. llama.cpp's llama architecture uses
-  the original interleaved layout: dimensions 2i and 2i+1 rotate together. Moving row i of each head to
-  row 2i, and row i + E/2 to row 2i + 1, makes llama.cpp rotate the same pairs by the same angles (the
-  attention scores are unchanged, since q and k are permuted alike).
+- For the llama architecture, Q and K projections (and their biases) are permuted. phalanx (like HF)
+  applies RoPE in the rotate_half layout: within a head, dimension i is rotated together with dimension
+  i + E/2. llama.cpp's llama architecture uses the original interleaved layout (LLAMA_ROPE_TYPE_NORM):
+  dimensions 2i and 2i+1 rotate together. Moving row i of each head to row 2i, and row i + E/2 to row
+  2i + 1, makes llama.cpp rotate the same pairs by the same angles (the attention scores are unchanged,
+  since q and k are permuted alike). llama.cpp rotates qwen2 and qwen3 in the rotate_half layout
+  (LLAMA_ROPE_TYPE_NEOX), as HF's Qwen does, so their rows are written as they are.
 - Norm weights stay float32 whatever --dtype says: llama.cpp computes norms in f32 and they are tiny.
 
 Quantised types (q8_0, q5_1, q5_0, q4_1, q4_0) are written with the gguf package's own quantisers
@@ -25,14 +29,20 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from phalanx.data.chat_template import CHAT_TEMPLATE
-from phalanx.data.tokenizer import special_ids
+from phalanx.data.tokenizer import special_tokens
 from phalanx.errors import PhalanxError
 from phalanx.export.export import QUANTISED
 from phalanx.export.tokenizer_files import ensure_special_tokens
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.rope import rope_frequency_divisors
-from phalanx.run.gguf_format import ROPE_SCALING_KEYS, gguf_name, interleave_rotary_rows
+from phalanx.run.gguf_format import (
+    FAMILY_ARCH,
+    FAMILY_KEY,
+    ROPE_SCALING_KEYS,
+    gguf_name,
+    interleave_rotary_rows,
+    rotary_heads,
+)
 from phalanx.run.model_loader import LoadedModel
 
 # phalanx's tokenizer splits text with ByteLevel(use_regex=True), i.e. the GPT-2 regex
@@ -42,25 +52,59 @@ from phalanx.run.model_loader import LoadedModel
 # and attach a non-letter to the following word, and "default" splits punctuation differently, so
 # either would hand our merges different pieces and give other ids.
 PRE_TOKENIZER = "gpt-2"
-# Ollama's own Go engine ignores that name: for the llama architecture it reads the split regex itself
-# from tokenizer.ggml.pretokenizer and falls back to Llama 3's. So the regex is written out as well.
+# Ollama's own Go engine ignores that name: for the llama (and qwen2) architecture it reads the split
+# regex itself from tokenizer.ggml.pretokenizer and falls back to Llama 3's (Qwen2's). So the regex is
+# written out as well. (Its qwen3 model, as read in ollama/ollama's model/models/qwen3/model.go, hard-codes
+# Qwen's regex and would split some text differently; llama.cpp goes by tokenizer.ggml.pre.)
 PRE_TOKENIZER_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def gguf_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's weights under llama.cpp names, float32, Q/K permuted; output left out when tied
-    (llama.cpp then uses token_embd for the output). One at a time, so a caller converting them to f16
-    never holds a second full copy of the model."""
+    """The model's weights under llama.cpp names, float32, Q/K permuted where the architecture rotates
+    interleaved pairs; output left out when tied (llama.cpp then uses token_embd for the output). One at a
+    time, so a caller converting them to f16 never holds a second full copy of the model."""
     args = model.args
     for name, tensor in model.state_dict().items():
         if name == "output.weight" and args.tie_embeddings:
             continue
         tensor = tensor.detach().to("cpu", torch.float32)
-        if name.endswith("attention.wq.weight"):
-            tensor = interleave_rotary_rows(tensor, args.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            tensor = interleave_rotary_rows(tensor, args.n_kv_heads)
+        heads = rotary_heads(name, args)
+        if heads is not None:
+            tensor = interleave_rotary_rows(tensor, heads)
         yield gguf_name(name), tensor.contiguous()
+
+
+def check_llama_cpp_computes(args: ModelArgs) -> None:
+    """Refuse, in one line, a model that llama.cpp would load as another model or not at all. Each limit
+    was measured with llama-cpp-python 0.3.36 on phalanx's own exports (tests/export/test_export_gguf_families.py):
+    - llama.cpp applies no sliding window to the llama, qwen2 or qwen3 architecture: with
+      `{arch}.attention.sliding_window` written it logs n_swa = 0, and its logits are those of full
+      causal attention (off by ~0.2 from the windowed model's past the window). A window of at least
+      max_seq_len never hides a key within the context, so such a model is exported, the key kept for
+      phalanx's reader.
+    - Only qwen3 reads attn_q_norm / attn_k_norm (and requires them); llama and qwen2 fail on the extra
+      tensors ("wrong number of tensors").
+    - qwen2 sizes attn_q as dim x dim, so its heads must be dim / n_heads wide.
+    - Only llama reads rope_freqs (Llama 3.1 scaling); qwen2 and qwen3 fail on it.
+    (q/k/v biases load on all three.)"""
+    arch = FAMILY_ARCH[args.family]
+    refusal = None
+    if args.sliding_window is not None and args.sliding_window < args.max_seq_len:
+        refusal = (
+            f"a sliding window of {args.sliding_window} tokens: llama.cpp attends to the whole context, so "
+            f"beyond {args.sliding_window} tokens it would compute another model (set model.sliding_window "
+            f">= max_seq_len {args.max_seq_len}, or export --format hf)"
+        )
+    elif args.qk_norm != (arch == "qwen3"):
+        refusal = "q/k norms" if args.qk_norm else "no q/k norms (llama.cpp's qwen3 requires them)"
+    elif arch == "qwen2" and args.head_size * args.n_heads != args.dim:
+        refusal = f"head_dim {args.head_size} with {args.n_heads} heads and dim {args.dim} (it needs dim / n_heads)"
+    elif arch != "llama" and rope_frequency_divisors(args) is not None:
+        refusal = "Llama 3.1 RoPE scaling (llama.cpp reads rope_freqs for the llama architecture only)"
+    if refusal is not None:
+        raise PhalanxError(
+            f"GGUF export: llama.cpp's {arch} architecture (family {args.family}) cannot run a model with {refusal}"
+        )
 
 
 def _vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
@@ -110,7 +154,7 @@ def _numpy_in(tensor: torch.Tensor, dtype: str) -> tuple[np.ndarray, object]:
     """(array, raw_dtype for GGUFWriter.add_tensor) of a float32 tensor stored as `dtype`."""
     import gguf
 
-    if dtype == "f32" or tensor.ndim == 1:  # norms stay f32
+    if dtype == "f32" or tensor.ndim == 1:  # norms and biases stay f32
         return tensor.numpy(), None
     if dtype in QUANTISED:
         qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
@@ -128,12 +172,17 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     import gguf
 
     args: ModelArgs = loaded.model.args
+    check_llama_cpp_computes(args)
     tokenizer = ensure_special_tokens(loaded.tokenizer)
-    bos_id, eos_id = special_ids(tokenizer)
+    specials = special_tokens(tokenizer)
     tokens, token_types, merges = _vocabulary(tokenizer, args.vocab_size)
 
-    writer = gguf.GGUFWriter(str(path), arch="llama")  # also writes general.architecture
+    # also writes general.architecture, and prefixes the model's keys with it
+    writer = gguf.GGUFWriter(str(path), arch=FAMILY_ARCH[args.family])
     writer.add_name(name)
+    writer.add_string(FAMILY_KEY, args.family)
+    if args.sliding_window is not None:  # never one llama.cpp would have to apply (checked above)
+        writer.add_sliding_window(args.sliding_window)
     writer.add_file_type(_file_type(dtype))
     writer.add_context_length(args.max_seq_len)
     writer.add_embedding_length(args.dim)
@@ -141,6 +190,8 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     writer.add_feed_forward_length(args.ffn_dim)
     writer.add_head_count(args.n_heads)
     writer.add_head_count_kv(args.n_kv_heads)
+    writer.add_key_length(args.head_size)  # llama.cpp's default, dim / n_heads, is wrong where head_dim is set
+    writer.add_value_length(args.head_size)
     writer.add_rope_dimension_count(args.head_size)
     writer.add_rope_freq_base(args.rope_theta)
     writer.add_layer_norm_rms_eps(args.norm_eps)
@@ -152,11 +203,14 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(bos_id)
-    writer.add_eos_token_id(eos_id)
-    writer.add_add_bos_token(True)  # every training document started with BOS
+    if specials.bos is not None:  # a tokenizer without BOS (Qwen's) names none
+        writer.add_bos_token_id(tokenizer.token_to_id(specials.bos))
+    writer.add_eos_token_id(specials.eos_id)
+    if specials.end_of_turn_id is not None:  # where a chat turn ends (<|eot_id|>, <|im_end|>)
+        writer.add_eot_token_id(specials.end_of_turn_id)
+    writer.add_add_bos_token(specials.bos_id is not None)  # as the training documents started
     writer.add_add_eos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(loaded.chat_template)  # phalanx's own, or the checkpoint's the model came from
 
     for tensor_name, tensor in gguf_tensors(loaded.model):
         array, raw_dtype = _numpy_in(tensor, dtype)

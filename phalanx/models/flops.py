@@ -5,8 +5,10 @@ from phalanx.models.decoder import ModelArgs
 
 def count_params(args: ModelArgs) -> int:
     """Exact parameter count of Transformer(args), a tied output weight counted once."""
-    d, kv_dim = args.dim, args.n_kv_heads * args.head_size
-    attention = 2 * d * d + 2 * d * kv_dim  # wq, wo; wk, wv
+    d, q_dim, kv_dim = args.dim, args.n_heads * args.head_size, args.n_kv_heads * args.head_size
+    attention = 2 * d * q_dim + 2 * d * kv_dim  # wq, wo; wk, wv (q_dim is d unless head_dim is set)
+    attention += (q_dim + 2 * kv_dim) * args.qkv_bias  # Qwen2's q, k and v biases
+    attention += 2 * args.head_size * args.qk_norm  # Qwen3's q and k norms, one weight each for all heads
     ffn = 3 * d * args.ffn_dim  # w1, w2, w3
     block = attention + ffn + 2 * d  # and two RMSNorm weights
     embedding = args.vocab_size * d
@@ -21,11 +23,13 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     multiplies: all of them except the input embedding table, which is a lookup, but including the output
     projection even when it is tied to that table, since the logits are a real matmul. The second term is
     attention's QK^T and AV products, counted over the full (not causally halved) seq_len x seq_len square
-    by convention, and without any recomputation from activation checkpointing.
+    by convention, and without any recomputation from activation checkpointing. With a sliding window
+    (Mistral) a query has at most `sliding_window` keys, so the square narrows to that band.
     """
     embedding = args.vocab_size * args.dim
     n_matmul = count_params(args) - embedding + (embedding if args.tie_embeddings else 0)
-    return 6 * n_matmul + 12 * args.n_layers * args.n_heads * args.head_size * seq_len
+    keys = seq_len if args.sliding_window is None else min(seq_len, args.sliding_window)
+    return 6 * n_matmul + 12 * args.n_layers * args.n_heads * args.head_size * keys
 
 
 # Dense (no 2:4 sparsity) bf16 matrix peak, TFLOP/s per device as torch sees it. Keys are lower-case

@@ -1,11 +1,53 @@
 """Named model shapes. The Llama ones match Meta's published configs (1b, 8b and 70b without the RoPE
-scaling of their Llama 3.1/3.2 versions, at 8K context; 405b is Llama 3.1's, scaling and 128K included)."""
+scaling of their Llama 3.1/3.2 versions, at 8K context; 405b is Llama 3.1's, scaling and 128K included).
+The versioned names (llama3.2-1b, mistral-7b, qwen3-8b, ...) are the published models' configs exactly,
+family, context and RoPE scaling included, so a pretrained checkpoint of that name loads into them."""
 
 import difflib
 
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs
 from phalanx.models.preset_names import PRESET_NAMES
+
+
+def _llama3(dim: int, n_layers: int, n_heads: int, ffn_dim: int, scaling: float, tie: bool) -> ModelArgs:
+    """Llama 3.1 / 3.2: 8 kv heads, Llama 3's vocabulary, and RoPE scaled from 8K to 128K tokens."""
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        ffn_dim=ffn_dim,
+        vocab_size=128256,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        tie_embeddings=tie,
+        rope_scaling_factor=scaling,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_seq_len=8192,
+    )
+
+
+def _qwen3(dim: int, n_layers: int, n_heads: int, ffn_dim: int, tie: bool) -> ModelArgs:
+    """Qwen3: per-head q/k norms and a head_dim of 128 in every size (written None where dim / n_heads is
+    128 already: that is how a config read back says it, models/families/common.py)."""
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        ffn_dim=ffn_dim,
+        vocab_size=151936,
+        max_seq_len=40960,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        tie_embeddings=tie,
+        family="qwen3",
+        head_dim=None if dim == 128 * n_heads else 128,
+        qk_norm=True,
+    )
+
 
 MODEL_PRESETS: dict[str, ModelArgs] = {
     # Small enough to train a few hundred steps on two CPU cores.
@@ -84,6 +126,28 @@ MODEL_PRESETS: dict[str, ModelArgs] = {
         rope_high_freq_factor=4.0,
         rope_original_max_seq_len=8192,
     ),
+    "llama3.2-1b": _llama3(2048, 16, 32, 8192, scaling=32.0, tie=True),
+    "llama3.2-3b": _llama3(3072, 28, 24, 8192, scaling=32.0, tie=True),
+    "llama3.1-8b": _llama3(4096, 32, 32, 14336, scaling=8.0, tie=False),
+    "llama3.1-70b": _llama3(8192, 80, 64, 28672, scaling=8.0, tie=False),
+    # Mistral 7B v0.3: v0.1's shape without its sliding window, a 32768-token vocabulary and RoPE theta 1e6.
+    "mistral-7b": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=32768,
+        max_seq_len=32768,
+        rope_theta=1000000.0,
+        family="mistral",
+    ),
+    "qwen3-0.6b": _qwen3(1024, 28, 16, 3072, tie=True),
+    "qwen3-1.7b": _qwen3(2048, 28, 16, 6144, tie=True),
+    "qwen3-4b": _qwen3(2560, 36, 32, 9728, tie=True),
+    "qwen3-8b": _qwen3(4096, 36, 32, 12288, tie=False),
+    "qwen3-14b": _qwen3(5120, 40, 40, 17408, tie=False),
+    "qwen3-32b": _qwen3(5120, 64, 64, 25600, tie=False),
 }
 
 assert tuple(MODEL_PRESETS) == PRESET_NAMES, "preset_names.py lists the presets' names"

@@ -29,13 +29,20 @@ def build_parallel_model(
     dtype: torch.dtype,
     float8: bool = False,
     pp_schedule: str = "1f1b",
+    initialise: bool = True,
 ) -> nn.Module:
     """The model this rank trains. Under pipeline parallelism (layout.pp > 1) it is a PipelinedModel:
     this rank's stages (parallel/pipeline.py), split after TP and activation checkpointing, each sharded
-    (FSDP) and materialised on its own, under the whole model's parameter names."""
+    (FSDP) and materialised on its own, under the whole model's parameter names; a tied embedding weight
+    is a copy on the first and on the last stage's rank, both starting from the embedding's values.
+    initialise=False leaves the parameters unfilled, for a run that loads all of them (a pretrained
+    checkpoint: train/pretrained.py), which saves drawing a whole random model first."""
     with torch.device("meta"):
         model = Transformer(args)
-    rules = model.init_rules()
+    rules = model.init_rules() if initialise else None
+    # A pipeline's last stage holds its own copy of a tied embedding weight (parallel/pipeline.py), which
+    # one process lists only as the embedding: it starts as the embedding does (same rule, same generator).
+    aliases = {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else {}
     if float8:
         check_float8(device, layout.tp)
         apply_float8(model)  # parameter names stay: the init rules and checkpoints still match
@@ -47,7 +54,8 @@ def build_parallel_model(
         for stage in pipelined.stages:  # each stage is an FSDP root of its own: the pipeline drives each
             if uses_fsdp(layout):
                 _shard(stage, stage.part.layers.values(), layout, mesh, dtype)
-            materialize(stage, rules, device, seed, init_buffers=stage.part.init_rope, prefix="part.")
+            materialize(stage, rules, device, seed, init_buffers=stage.part.init_rope, prefix="part.", aliases=aliases)
+        pipelined.retie()  # the tied copy's second name, onto the parameter FSDP and to_empty left
         return pipelined
     if uses_fsdp(layout):
         _shard(model, model.layers.values(), layout, mesh, dtype)

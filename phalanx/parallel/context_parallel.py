@@ -157,6 +157,11 @@ class ContextParallel:
             raise PhalanxError(f"a sequence of {seq_len} tokens cannot be split into 2 x cp = {2 * self.cp} chunks")
         return tensor_BT.index_select(1, self.positions(seq_len // self.cp, tensor_BT.device))
 
+    def attend(self, q_BHTE, k_BKTE, v_BKTE, window: int | None = None) -> torch.Tensor:
+        """This rank's queries over the whole sequence's keys and values, round the ring: (B, H, T, E)."""
+        T, device = q_BHTE.shape[2], q_BHTE.device
+        return ring_attention(q_BHTE, k_BKTE, v_BKTE, self.group, lambda r: self.positions(T, device, r), window)
+
     def token_pass(self) -> RingPass:
         return RingPass(self)
 
@@ -176,11 +181,7 @@ class RingPass(TokenPass):
         return self.split.positions(length, device)
 
     def attend(self, attention, q_BHTE, k_BKTE, v_BKTE):
-        T, device, split = q_BHTE.shape[2], q_BHTE.device, self.split
-        out_BHTE = ring_attention(
-            q_BHTE, k_BKTE, v_BKTE, split.group, lambda r: split.positions(T, device, r), attention.sliding_window
-        )
-        return heads_last(out_BHTE)
+        return heads_last(self.split.attend(q_BHTE, k_BKTE, v_BKTE, attention.sliding_window))
 
 
 class NoContextParallel:

@@ -30,16 +30,19 @@ def plain_name(name: str) -> str:
 @torch.no_grad()
 def materialize(
     model: nn.Module,
-    rules: dict[str, tuple[str, float]],
+    rules: dict[str, tuple[str, float]] | None,
     device: torch.device,
     seed: int,
     init_buffers,
     prefix: str = "",
+    aliases: dict[str, str] | None = None,
 ) -> None:
     """Allocate `model` (parallelised on the meta device) on `device` and initialise it by `rules`
-    (Transformer.init_rules() of the unwrapped model); `init_buffers()` then rebuilds the buffers.
+    (Transformer.init_rules() of the unwrapped model; None: allocate only, for a caller that fills every
+    parameter itself, as a pretrained checkpoint does); `init_buffers()` then rebuilds the buffers.
     `prefix`: what `model`'s parameter names start with beyond the whole model's (a pipeline stage's
-    "part.")."""
+    "part."). `aliases`: names to initialise as another parameter, by its rule and from its generator (a
+    tied weight's copy held apart from it, on a pipeline's last stage: "output.weight" as the embedding)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     ties = _shared_parameters(model)
@@ -49,8 +52,9 @@ def materialize(
         for module, attr in places[1:]:
             if getattr(module, attr) is not first:
                 setattr(module, attr, first)
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters() if rules is not None else ():
         clean = plain_name(name.removeprefix(prefix))
+        clean = (aliases or {}).get(clean, clean)
         if isinstance(param, DTensor):
             full = torch.empty(param.shape, dtype=param.dtype, device=device)
             init_parameter(full, clean, rules[clean], seed)

@@ -15,6 +15,22 @@ loads its parameters under the names one process uses.
 Balance: the embedding and the output head (final norm + vocabulary projection) are each counted as one
 layer's worth of work, and the n_layers + 2 units are cut into contiguous, near-equal runs, one per
 stage. With 4 layers and 2 stages: [embedding, 0, 1] and [2, 3, head].
+
+Tied embeddings (model.tie_embeddings): one process has one (vocab, dim) weight, used by the embedding and
+by the output head. Its two users sit on different pp ranks (stage 0 on pp rank 0, the last stage on pp
+rank pp - 1, for every schedule here), so each of those ranks holds a copy, as Megatron-LM does: both
+start from the same values (the head's copy is initialised under the embedding's name), after each
+backward their gradients are summed between exactly those two ranks (Pipeline), so with the same
+optimizer state both copies take the same update and stay equal, bit for bit. The copy is a replica, like
+a data-parallel one, so the last stage's rank also lists it under the name one process gives the weight,
+`tok_embeddings.weight` (TiedEmbeddingCopy): its optimizer state is saved and loaded under that one name,
+DCP writes the two ranks' equal values once, and checkpoints reshard between pp and any other layout in
+both directions with the same keys one process writes (`tok_embeddings.weight`, `output.weight`, and the
+optimizer's state under `tok_embeddings.weight`). The gradient norm counts the weight once
+(counted_in_grad_norm). Why copies rather than one weight sent between the two ranks: both ends use it in
+every micro-batch's forward and backward, so sending it would cost more traffic and a wait per
+micro-batch; with copies only the gradient crosses, once per step (one all-reduce of the vocab x dim
+weight's local shard between two ranks), and the result is the same sum one process forms.
 """
 
 from __future__ import annotations
@@ -33,6 +49,9 @@ SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 # Interleaving gives each rank this many stages ("virtual stages"); two is what torchtitan defaults to and
 # already halves the bubble.
 INTERLEAVED_STAGES_PER_RANK = 2
+# Set on the last stage's copy of a tied embedding weight: the first stage's rank counts the same (summed)
+# gradient in the gradient norm already.
+_TIED_COPY = "_phalanx_tied_embedding_copy"
 
 
 @dataclass(frozen=True)
@@ -76,18 +95,13 @@ def microbatches(pp: int, configured: int | None) -> int:
 
 def check_pipeline(args: ModelArgs, parallel, micro_rows: int | None = None) -> None:
     """What pipelining refuses (`parallel`: the config's ParallelSection, pp > 1), as one line: a split
-    the model cannot take, tied embeddings across stages, layouts it does not compose with yet, and (given
-    the micro-batch rows per data-parallel rank) micro-batches that do not divide into the pipeline's."""
+    the model cannot take, layouts it does not compose with yet, and (given the micro-batch rows per
+    data-parallel rank) micro-batches that do not divide into the pipeline's."""
     pp, schedule = parallel.pp, parallel.pp_schedule
     n_microbatches = microbatches(pp, parallel.pp_microbatches)
     if schedule not in SCHEDULES:
         raise PhalanxError(f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     split_layers(args.n_layers, pp * stages_per_rank(schedule))
-    if args.tie_embeddings:
-        raise PhalanxError(
-            "model.tie_embeddings=true shares one weight between the first and the last pipeline "
-            "stage, which parallel.pp > 1 does not support: set model.tie_embeddings=false"
-        )
     if parallel.cp > 1:
         raise PhalanxError("parallel.pp > 1 does not compose with parallel.cp > 1 yet")
     if schedule == "interleaved_1f1b" and n_microbatches % pp:
@@ -120,20 +134,49 @@ class TransformerStage(nn.Module):
         return self.part(x, Causal(length=x.shape[1] * self.sequence_shards))
 
 
+class TiedEmbeddingCopy(nn.Module):
+    """On the rank of the last stage (and not the first), the output head's copy of a tied embedding
+    weight, registered a second time as `tok_embeddings.weight`: the name one process lists the tied weight
+    under (named_parameters yields it first), so the optimizer's state for it, checkpoints and pretrained
+    loading use the same keys as under any other layout. It computes nothing: the head uses the weight."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
 class PipelinedModel(nn.Module):
     """A pp rank's share of the model as one module, for the optimizer and checkpoints: all of its
     stages' parts under the whole model's names (a layer's FQN is the same as in one process). The stages
     themselves (`self.stages`, not registered, so names are not doubled) share these modules and run the
-    forward."""
+    forward. With tied embeddings, the last stage's rank holds the head's copy of the tied weight under
+    the embedding's name too (TiedEmbeddingCopy)."""
 
     def __init__(self, model: Transformer, stages: list[TransformerStage]):
         super().__init__()
         self.args = model.args
-        self.tok_embeddings = model.tok_embeddings if any(s.plan.first for s in stages) else None
+        first, last = any(s.plan.first for s in stages), any(s.plan.last for s in stages)
+        if model.args.tie_embeddings and first and last:
+            # Not reachable with loop placement and pp > 1 (stage 0 is on pp rank 0, the last on pp - 1).
+            # It would be one parameter in two stages: each stage's schedule would scale its gradient by
+            # 1 / n_microbatches, and two FSDP roots cannot share a parameter; refused rather than wrong.
+            raise PhalanxError("a tied embedding weight's first and last pipeline stage are on one rank")
+        # Registered first, as in the Transformer: a tied weight's name is then `tok_embeddings.weight`.
+        self.tok_embeddings = model.tok_embeddings if first else None
+        if model.args.tie_embeddings and last:
+            self.tok_embeddings = TiedEmbeddingCopy(model.output.weight)
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for s in stages for i in s.plan.layers})
-        self.norm = model.norm if any(s.plan.last for s in stages) else None
-        self.output = model.output if any(s.plan.last for s in stages) else None
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
         self.stages = stages  # a plain list: not submodules
+
+    def retie(self) -> None:
+        """After FSDP and materialisation: point the copy's second name at the head's parameter again
+        (fully_shard and to_empty replace it on the head's module, the only one they see), and mark it
+        so that the gradient norm leaves it out (counted_in_grad_norm)."""
+        if isinstance(self.tok_embeddings, TiedEmbeddingCopy):
+            self.tok_embeddings.weight = self.output.weight
+            setattr(self.output.weight, _TIED_COPY, True)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -152,6 +195,39 @@ def split_model(model: Transformer, pp_rank: int, pp: int, schedule: str, tp: in
     plans = split_layers(model.args.n_layers, pp * per_rank)
     stages = [TransformerStage(model, plans[i], tp) for i in rank_stage_indices(pp_rank, pp, per_rank)]
     return PipelinedModel(model, stages)
+
+
+def counted_in_grad_norm(param: torch.Tensor) -> bool:
+    """Whether `param`'s gradient adds to the gradient norm summed over the pp group: all but the last
+    stage's copy of a tied embedding weight, whose (summed) gradient the first stage's rank counts."""
+    return not getattr(param, _TIED_COPY, False)
+
+
+def tied_embedding_group(model: PipelinedModel, pp_group, schedule: str):
+    """The process group of the ranks in this rank's pp group that hold the tied embedding weight (the
+    first stage's and the last stage's); None for an untied model or a rank holding neither. Collective
+    over every rank (all ranks make every new group together), called once, when the Pipeline is built."""
+    import torch.distributed as dist
+
+    if not model.args.tie_embeddings:
+        return None
+    pp, per_rank = dist.get_world_size(pp_group), stages_per_rank(schedule)
+    plans = split_layers(model.args.n_layers, pp * per_rank)
+    # The pp ranks whose stages hold the embedding or the head (pp rank 0 and pp - 1: loop placement).
+    ends = [r for r in range(pp) if any(plans[i].first or plans[i].last for i in rank_stage_indices(r, pp, per_rank))]
+    if len(ends) == pp:  # pp = 2: the pp group itself, no new group needed
+        return pp_group
+    ranks = dist.get_process_group_ranks(pp_group)
+    mine = [ranks[i] for i in ends]
+    # Every rank must take part in making every group, in the same order: learn all pp groups' pairs.
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    group = None
+    for pair in sorted({tuple(p) for p in everyone}):
+        made = dist.new_group(list(pair))
+        if list(pair) == mine:
+            group = made
+    return group
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -177,6 +253,11 @@ class Pipeline:
 
         n_stages = len(model.stages) * torch.distributed.get_world_size(pp_group)
         self.stages = [PipelineStage(s, s.plan.index, n_stages, device, group=pp_group) for s in model.stages]
+        # Tied embeddings: the group that sums the two copies' gradients, and the module holding this rank's
+        # copy (the embedding on the first stage's rank, TiedEmbeddingCopy on the last's). The module, not
+        # its parameter: FSDP may yet swap the parameter object, so it is read when it is needed.
+        self.tied_group = tied_embedding_group(model, pp_group, schedule)
+        self.tied_holder = model.tok_embeddings if self.tied_group is not None else None
         self.has_first = any(s.plan.first for s in model.stages)
         self.has_last = any(s.plan.last for s in model.stages)
         self.n_microbatches = n_microbatches
@@ -205,9 +286,29 @@ class Pipeline:
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.has_first else ()
             self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+            self._sum_tied_gradients()
             return self._losses(losses)
         finally:
             self.poison = False
+
+    @torch.no_grad()
+    def _sum_tied_gradients(self) -> None:
+        """The tied weight's gradient is the embedding's plus the head's, as in one process: sum the two
+        ranks' parts, so both copies take the same update. Under FSDP and TP each rank sums its local
+        shard: the two ranks share every other mesh coordinate, so their shards are the same slice."""
+        if self.tied_holder is None:  # untied, or a middle stage's rank
+            return
+        import torch.distributed as dist
+
+        weight = self.tied_holder.weight
+        grad = weight.grad
+        if hasattr(grad, "placements") and grad.placements != weight.placements:
+            # Under TP the embedding's gradient comes back whole (Replicate) while the head's is split by
+            # vocabulary like the weight: both in the weight's layout (a local slice, no traffic), so that
+            # the two ranks sum the same slice.
+            grad = weight.grad = grad.redistribute(grad.device_mesh, weight.placements)
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.tied_group)
 
     @torch.no_grad()
     def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

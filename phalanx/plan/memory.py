@@ -121,6 +121,10 @@ def param_shapes(args: ModelArgs, tp: int = 1) -> dict[str, list[tuple[int, ...]
     d, kv, f = args.dim, args.n_kv_heads * args.head_size // tp, args.ffn_dim // tp
     hd, v = args.n_heads * args.head_size // tp, args.vocab_size // tp
     block = [(hd, d), (kv, d), (kv, d), (d, hd), (f, d), (f, d), (d, f), (d,), (d,)]
+    if args.qkv_bias:  # Qwen2: split with their projections
+        block += [(hd,), (kv,), (kv,)]
+    if args.qk_norm:  # Qwen3: one head's norm each, whole on every rank
+        block += [(args.head_size,), (args.head_size,)]
     root = [(v, d), (d,)] + ([] if args.tie_embeddings else [(v, d)])
     return {"root": root, "block": block}
 

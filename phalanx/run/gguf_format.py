@@ -1,8 +1,9 @@
-"""The GGUF format (llama.cpp's, architecture `llama`) as both sides see it: tensor names, the rotary row
-order, and reading an export back into a phalanx model and tokenizer for the model loader.
+"""The GGUF format (llama.cpp's) as both sides see it: which llama.cpp architecture each family is,
+tensor names, the rotary row order, and reading an export back into a phalanx model and tokenizer for the
+model loader.
 
 phalanx/export/gguf_export.py writes such a file; this module reads one (phalanx's own export, or a
-llama-architecture GGUF with a byte-level BPE vocabulary). Quantised weights are dequantised to float32
+llama, qwen2 or qwen3 GGUF with a byte-level BPE vocabulary). Quantised weights are dequantised to float32
 with the gguf package's own decoders, so the torch engine computes what the file holds. Reading never
 executes anything: GGUF is a flat table of typed values and tensors.
 """
@@ -15,12 +16,22 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from phalanx.data.tokenizer import special_ids
+from phalanx.data.tokenizer import specials_from_ids
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.rope import rope_frequency_divisors
 
 GGUF_FILE = "model.gguf"
+# Each family under the name llama.cpp gives its architecture. Mistral is Llama's graph plus a sliding
+# window (which llama.cpp never applies: see gguf_export.py), so it is written as `llama`, its own name
+# kept in FAMILY_KEY.
+FAMILY_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# llama.cpp rotates `llama` heads in the interleaved layout (LLAMA_ROPE_TYPE_NORM), so their Q and K rows
+# are permuted; qwen2 and qwen3 rotate in the rotate_half layout (NEOX), phalanx's own, so theirs are not.
+INTERLEAVED_ROPE_ARCHS = ("llama",)
+# phalanx's family, which the architecture alone does not tell for Mistral: written so that reading an
+# export back gives the very ModelArgs it was written from.
+FAMILY_KEY = "phalanx.family"
 # Llama 3.1 RoPE scaling: llama.cpp needs only the frequency divisors (rope_freqs), phalanx's model its
 # four parameters, so the export writes both and the reader checks that they agree.
 ROPE_SCALING_KEYS = {
@@ -36,6 +47,11 @@ _LAYER_NAMES = {
     "attention.wk.weight": "attn_k.weight",
     "attention.wv.weight": "attn_v.weight",
     "attention.wo.weight": "attn_output.weight",
+    "attention.wq.bias": "attn_q.bias",  # Qwen2
+    "attention.wk.bias": "attn_k.bias",
+    "attention.wv.bias": "attn_v.bias",
+    "attention.q_norm.weight": "attn_q_norm.weight",  # Qwen3
+    "attention.k_norm.weight": "attn_k_norm.weight",
     "feed_forward.w1.weight": "ffn_gate.weight",
     "feed_forward.w3.weight": "ffn_up.weight",
     "feed_forward.w2.weight": "ffn_down.weight",
@@ -57,20 +73,33 @@ def gguf_name(name: str) -> str:
 
 
 def interleave_rotary_rows(w_OD: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder the output rows of a Q or K projection from rotate_half pairs (i, i + E/2) to interleaved
-    pairs (2i, 2i + 1), head by head. O = n_heads * E rows."""
-    O, D = w_OD.shape
+    """Reorder the output rows of a Q or K projection (its weight, or its bias of shape (O,)) from
+    rotate_half pairs (i, i + E/2) to interleaved pairs (2i, 2i + 1), head by head. O = n_heads * E rows."""
+    O = w_OD.shape[0]
     E = O // n_heads
-    # (heads, half, E/2, D): half 0 holds the first members of the pairs, half 1 their partners; swapping
+    # (heads, half, E/2, ...): half 0 holds the first members of the pairs, half 1 their partners; swapping
     # the two middle axes puts each pair on adjacent rows.
-    return w_OD.reshape(n_heads, 2, E // 2, D).transpose(1, 2).reshape(O, D)
+    return w_OD.reshape(n_heads, 2, E // 2, *w_OD.shape[1:]).transpose(1, 2).reshape(w_OD.shape)
 
 
 def halve_rotary_rows(w_OD: torch.Tensor, n_heads: int) -> torch.Tensor:
     """The inverse of interleave_rotary_rows: llama.cpp's row order back to phalanx's."""
-    O, D = w_OD.shape
+    O = w_OD.shape[0]
     E = O // n_heads
-    return w_OD.reshape(n_heads, E // 2, 2, D).transpose(1, 2).reshape(O, D)
+    return w_OD.reshape(n_heads, E // 2, 2, *w_OD.shape[1:]).transpose(1, 2).reshape(w_OD.shape)
+
+
+def rotary_heads(name: str, args: ModelArgs) -> int | None:
+    """How many heads the Q or K projection (weight or bias) `name` holds, where the file keeps it in
+    llama.cpp's interleaved row order; None for every other tensor, and for architectures that rotate in
+    phalanx's own layout."""
+    if FAMILY_ARCH[args.family] not in INTERLEAVED_ROPE_ARCHS:
+        return None
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
+        return args.n_heads
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
+        return args.n_kv_heads
+    return None
 
 
 def gguf_file(path: Path) -> Path | None:
@@ -84,7 +113,7 @@ def gguf_file(path: Path) -> Path | None:
 
 
 def read_gguf(file: Path) -> tuple[Transformer, Tokenizer, str | None]:
-    """(model in float32 on the CPU, tokenizer, chat template or None) of a llama GGUF file."""
+    """(model in float32 on the CPU, tokenizer, chat template or None) of a llama, qwen2 or qwen3 GGUF file."""
     import gguf
 
     try:
@@ -95,10 +124,11 @@ def read_gguf(file: Path) -> tuple[Transformer, Tokenizer, str | None]:
         ) from None
     fields = {name: field.contents() for name, field in reader.fields.items()}
     arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise PhalanxError(f"{file} holds architecture {arch!r}; phalanx reads llama GGUF files only")
+    archs = sorted(set(FAMILY_ARCH.values()))
+    if arch not in archs:
+        raise PhalanxError(f"{file} holds architecture {arch!r}; phalanx reads {', '.join(archs)} GGUF files only")
     tensors = {t.name: t for t in reader.tensors}
-    args = _model_args(file, fields, tensors)
+    args = _model_args(file, arch, fields, tensors)
     state = {}
     for name, shape in _expected_shapes(args).items():
         tensor = tensors.get(gguf_name(name))
@@ -107,11 +137,8 @@ def read_gguf(file: Path) -> tuple[Transformer, Tokenizer, str | None]:
         values = torch.tensor(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=torch.float32)
         if tuple(values.shape) != shape:
             raise PhalanxError(f"{file}: {tensor.name} has shape {tuple(values.shape)}, the model needs {shape}")
-        if name.endswith("attention.wq.weight"):
-            values = halve_rotary_rows(values, args.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            values = halve_rotary_rows(values, args.n_kv_heads)
-        state[name] = values
+        heads = rotary_heads(name, args)
+        state[name] = values if heads is None else halve_rotary_rows(values, heads)
     _check_rope_divisors(file, args, tensors)
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -123,31 +150,51 @@ def read_gguf(file: Path) -> tuple[Transformer, Tokenizer, str | None]:
     return model, _tokenizer(file, fields, args.vocab_size), fields.get("tokenizer.chat_template")
 
 
-def _model_args(file: Path, fields: dict, tensors: dict) -> ModelArgs:
+def _model_args(file: Path, arch: str, fields: dict, tensors: dict) -> ModelArgs:
     def need(key: str):
-        if f"llama.{key}" not in fields:
-            raise PhalanxError(f"{file} lacks llama.{key}")
-        return fields[f"llama.{key}"]
+        if f"{arch}.{key}" not in fields:
+            raise PhalanxError(f"{file} lacks {arch}.{key}")
+        return fields[f"{arch}.{key}"]
 
     embedding = tensors.get("token_embd.weight")
-    vocab = fields.get("llama.vocab_size") or (
+    vocab = fields.get(f"{arch}.vocab_size") or (
         len(fields["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in fields else None
     )
     if embedding is None or vocab is None:
         raise PhalanxError(f"{file} has no token embedding or vocabulary")
+    family = fields.get(FAMILY_KEY, arch)  # a file not phalanx's own: the family of its architecture's name
+    if FAMILY_ARCH.get(family) != arch:
+        raise PhalanxError(f"{file}: {FAMILY_KEY} {family!r} is not a family written as architecture {arch!r}")
     scaling = {name: _decimal(fields[key]) for name, key in ROPE_SCALING_KEYS.items() if key in fields}
-    heads = int(need("attention.head_count"))
+    heads, dim = int(need("attention.head_count")), int(need("embedding_length"))
+    # llama.cpp's rule: key_length where given, else dim / heads. Kept as None where it is that quotient,
+    # so a model with the default head size reads back with the ModelArgs it was exported from (one that
+    # set head_dim to that very quotient reads back as None: the same model).
+    head_dim = fields.get(f"{arch}.attention.key_length")
+    if head_dim is not None and fields.get(f"{arch}.attention.value_length", head_dim) != head_dim:
+        raise PhalanxError(f"{file}: key_length and value_length differ; phalanx's heads have one size")
+    if head_dim is not None and dim % heads == 0 and head_dim == dim // heads:
+        head_dim = None
+    # phalanx applies the window the file states; llama.cpp applies none to these architectures, which is
+    # why phalanx exports only windows that hide nothing within the context (gguf_export.py).
+    window = fields.get(f"{arch}.attention.sliding_window")
     return ModelArgs(
-        dim=int(need("embedding_length")),
+        dim=dim,
         n_layers=int(need("block_count")),
         n_heads=heads,
-        n_kv_heads=int(fields.get("llama.attention.head_count_kv", heads)),
+        n_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv", heads)),
         ffn_dim=int(need("feed_forward_length")),
         vocab_size=int(vocab),
         max_seq_len=int(need("context_length")),
-        rope_theta=_decimal(fields.get("llama.rope.freq_base", 10000.0)),
+        rope_theta=_decimal(fields.get(f"{arch}.rope.freq_base", 10000.0)),
         norm_eps=_decimal(need("attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in tensors,
+        family=family,
+        head_dim=None if head_dim is None else int(head_dim),
+        # The tensors say which of these a model has: llama.cpp reads them where present.
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        sliding_window=None if window is None else int(window),
         **{k: (int(v) if k == "rope_original_max_seq_len" else v) for k, v in scaling.items()},
     )
 
@@ -206,7 +253,20 @@ def _tokenizer(file: Path, fields: dict, vocab_size: int) -> Tokenizer:
     ]
     tokenizer.add_special_tokens([t for t in added if t.special])
     tokenizer.add_tokens([t for t in added if not t.special])
-    special_ids(tokenizer, file)
+    # Its special tokens are the file's own ids (a Qwen export has no BOS, a chat model an end of turn).
+    eos_id = fields.get("tokenizer.ggml.eos_token_id")
+    if eos_id is None:
+        raise PhalanxError(f"{file} names no EOS token (tokenizer.ggml.eos_token_id)")
+    bos_id = fields.get("tokenizer.ggml.bos_token_id")
+    framed = bos_id is not None and fields.get("tokenizer.ggml.add_bos_token", True)
+    specials_from_ids(
+        tokenizer,
+        file,
+        bos_id if framed else None,
+        eos_id,
+        end_of_turn_id=fields.get("tokenizer.ggml.eot_token_id"),
+        unframed_bos=tokenizer.id_to_token(bos_id) if bos_id is not None and not framed else None,
+    )
     if tokenizer.get_vocab_size(with_added_tokens=True) > vocab_size:
         raise PhalanxError(f"{file}: the vocabulary has more tokens than the model's {vocab_size} embedding rows")
     return tokenizer

@@ -5,6 +5,10 @@ RUNS_ROOT/                   `run.dir` in the config
   RUN_NAME/                  one run (`run.name`)
     config.yaml              the resolved config: repeat, resume, export or serve from it
     tokenizer.json           the run's tokenizer
+    tokenizer_config.json    a run from a checkpoint (or a tokenizer.json with them beside it): the
+    special_tokens_map.json    checkpoint's files that name its special tokens, stop ids and chat
+    generation_config.json     template, kept under their own names beside tokenizer.json, where the
+    chat_template.jinja        tokenizer loader (data/tokenizer.py) reads them; absent otherwise
     data.json                which prepared shards the run trains on
     metrics.jsonl            one JSON object per step (rank 0)
     events.jsonl             faults, detections, restarts, rollbacks, checkpoints, stragglers
@@ -30,6 +34,15 @@ from pathlib import Path
 
 CONFIG = "config.yaml"
 TOKENIZER = "tokenizer.json"
+# A tokenizer's companion files: the names data/tokenizer.py's TOKENIZER_COMPANIONS reads beside a
+# tokenizer.json (spelt here too so that this module stays a leaf; a test holds the two equal).
+TOKENIZER_COMPANIONS = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+PRETRAINED = "pretrained.json"  # the Hugging Face checkpoint a run started from, and its hash
 DATA_POINTER = "data.json"
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
@@ -78,6 +91,14 @@ class RunDir:
     @property
     def tokenizer(self) -> Path:
         return self.path / TOKENIZER
+
+    def tokenizer_companions(self) -> list[Path]:
+        """Where the run keeps its tokenizer's companion files (each may be absent)."""
+        return [self.path / name for name in TOKENIZER_COMPANIONS]
+
+    @property
+    def pretrained(self) -> Path:
+        return self.path / PRETRAINED
 
     @property
     def data_pointer(self) -> Path:

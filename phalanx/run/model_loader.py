@@ -1,6 +1,12 @@
 """The one model loader: a run directory, a checkpoint directory, a Hugging Face export or a GGUF export
 gives a model, its tokenizer and its chat template. `phalanx generate`, `serve`, `chat` and `export` all
 load here.
+
+The tokenizer carries its special tokens (BOS or none, EOS, the stop ids: data/tokenizer.py
+special_tokens): a Hugging Face checkpoint's as its tokenizer_config.json and generation_config.json
+name them, phalanx's own for a run phalanx trained, the checkpoint's again for a run started from one
+(it keeps those files beside its tokenizer.json). The chat template likewise: the checkpoint's where it
+has one, phalanx's otherwise.
 """
 
 from __future__ import annotations
@@ -11,8 +17,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from phalanx.data.chat_template import CHAT_TEMPLATE
-from phalanx.data.tokenizer import load_tokenizer
+from phalanx.data.chat_template import CHAT_TEMPLATE, read_template
+from phalanx.data.tokenizer import SpecialTokens, load_tokenizer, special_tokens
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.run.checkpoints import latest_checkpoint, load_model_weights, read_trainer_state
@@ -28,6 +34,10 @@ class LoadedModel:
     checkpoint: Path  # the checkpoint (or export directory, or GGUF file) the weights came from
     chat_template: str = CHAT_TEMPLATE
     format: str = "dcp"  # "dcp" (a phalanx checkpoint), "safetensors" (an HF export) or "gguf"
+
+    @property
+    def specials(self) -> SpecialTokens:
+        return special_tokens(self.tokenizer)
 
     @property
     def name(self) -> str:
@@ -83,4 +93,5 @@ def _load_checkpoint(path: Path) -> LoadedModel:
         raise PhalanxError(f"checkpoint {checkpoint} has no usable model_args in its {TRAINER_STATE}") from None
     model = Transformer(args)
     load_model_weights(checkpoint, model)
-    return LoadedModel(model, load_tokenizer(run.tokenizer), checkpoint)
+    # A run started from a checkpoint keeps its template beside the run's tokenizer.json (run/prepare.py).
+    return LoadedModel(model, load_tokenizer(run.tokenizer), checkpoint, read_template(run.path) or CHAT_TEMPLATE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ from phalanx.config.loader import dump_yaml
 from phalanx.config.schema import Config
 from phalanx.data.prepare import PreparedData, prepare_data
 from phalanx.errors import PhalanxError
+from phalanx.models.from_config import pretrained_args
 from phalanx.run.layout import RunDir, data_cache_dir
 
 
@@ -32,21 +34,81 @@ def prepare_run(config: Config, progress: bool = True) -> PreparedData:
         run.path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise PhalanxError(f"cannot create run directory {run.path}: {exc.strerror}") from None
+    if config.model.pretrained is not None:  # the ranks and a later resume read it from the saved config
+        config.model.pretrained = str(Path(config.model.pretrained).expanduser().absolute())
     save_config(config, run.path)
     d = config.data
+    tokenizer, vocab_size = d.tokenizer, d.vocab_size
+    if config.model.pretrained is not None:
+        if tokenizer is not None:
+            raise PhalanxError(
+                "data.tokenizer and model.pretrained both name a tokenizer: a pretrained model is trained "
+                "with its own (its tokenizer.json); remove data.tokenizer"
+            )
+        tokenizer = str(record_pretrained(Path(config.model.pretrained), run) / "tokenizer.json")
+        vocab_size = pretrained_args(Path(config.model.pretrained)).vocab_size  # its tokenizer's ids fit in it
     data = prepare_data(
         d.sources,
         Path.cwd(),
         data_cache_dir(config.run.dir),
-        d.vocab_size,
-        d.tokenizer,
+        vocab_size,
+        tokenizer,
         d.val_fraction,
         d.text_field,
         progress=progress,
     )
     shutil.copyfile(data.tokenizer_path, run.tokenizer)
+    keep_tokenizer_companions(data.tokenizer_path.parent, run)
     run.data_pointer.write_text(json.dumps({"prepared": str(data.dir)}))
     return data
+
+
+def keep_tokenizer_companions(source: Path, run: RunDir) -> None:
+    """Copy the files that came with the run's tokenizer (a checkpoint's tokenizer_config.json,
+    generation_config.json, ...: kept beside it in the prepared data) into the run, so that serve,
+    generate, chat and export of the run use the checkpoint's special tokens, stop ids and chat template;
+    remove any an earlier tokenizer of this run left, which would name tokens this one may lack."""
+    for target in run.tokenizer_companions():
+        kept = Path(source) / target.name
+        if kept.is_file():
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")  # several nodes may write it at once
+            shutil.copyfile(kept, tmp)
+            tmp.replace(target)
+        else:
+            target.unlink(missing_ok=True)
+
+
+# The files of a Hugging Face checkpoint that decide what a run starting from it computes.
+_CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.jinja")
+
+
+def record_pretrained(checkpoint: Path, run: RunDir) -> Path:
+    """Write the run's pretrained.json: the checkpoint's absolute path and a SHA-256 over its files (name,
+    size and content of its JSON, safetensors and template files, in name order), so a run says exactly
+    which weights it started from. The hash is taken again only when a file's size or time changed since
+    the record (a relaunch does not re-read gigabytes). Returns the checkpoint's absolute path."""
+    checkpoint = checkpoint.expanduser().absolute()
+    if not checkpoint.is_dir():
+        raise PhalanxError(f"model.pretrained={checkpoint} is not a directory (a Hugging Face checkpoint)")
+    files = sorted({f for pattern in _CHECKPOINT_FILES for f in checkpoint.glob(pattern) if f.is_file()})
+    stamps = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    try:
+        old = json.loads(run.pretrained.read_text())
+        if old.get("path") == str(checkpoint) and old.get("files") == stamps:
+            return checkpoint
+    except (OSError, ValueError):
+        pass
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        with f.open("rb") as stream:
+            while chunk := stream.read(1 << 24):
+                digest.update(chunk)
+    record = {"path": str(checkpoint), "sha256": digest.hexdigest(), "files": stamps}
+    tmp = run.pretrained.with_name(f".{run.pretrained.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(run.pretrained)
+    return checkpoint
 
 
 def prepared_data(run_dir: Path) -> PreparedData:

@@ -24,6 +24,8 @@ from typing import Any
 from phalanx.run.records import read_events
 
 FAILURES = ("worker_failed", "hang_detected")  # one event per incident, from the node agent
+# Weights read before training: a checkpoint of the run, or the pretrained checkpoint it starts from.
+LOADS = ("checkpoint_loaded", "pretrained_loaded")
 FAULT_KINDS = {
     "worker_failed": "crash",
     "hang_detected": "hang",
@@ -52,7 +54,7 @@ def account(events: list[dict], metrics: list[dict], wall_start: float, wall_end
             for e in events
             if e["kind"] in ("checkpoint_saved", "save_failed")
         ),
-        "checkpoint_load": _total(events, ("checkpoint_loaded",)),
+        "checkpoint_load": _total(events, LOADS),
         "startup": _startup(events, evals, wall_start),
         "detection": sum(e.get("stalled_for") or 0.0 for e in events if e["kind"] in FAILURES),
         "restart": _restart_time(events, evals),
@@ -90,7 +92,7 @@ def _startup(events: list[dict], evals: list[dict], wall_start: float) -> float:
     end = next((e for e in events if e["kind"] in ("training_started",) + FAILURES), None)
     if end is None:
         return 0.0
-    busy = _total([e for e in events if e["time"] <= end["time"]], ("checkpoint_loaded",))
+    busy = _total([e for e in events if e["time"] <= end["time"]], LOADS)
     busy += sum(m["eval_seconds"] for m in evals if m["step"] == 0 and m["time"] <= end["time"])
     stalled = end.get("stalled_for") or 0.0  # counted as detection
     return max(0.0, end["time"] - wall_start - busy - stalled)
@@ -104,7 +106,7 @@ def _restart_time(events: list[dict], evals: list[dict]) -> float:
             detected = e["time"]
         elif e["kind"] == "training_started" and detected is not None:
             between = [x for x in events if detected <= x["time"] <= e["time"]]
-            busy = _total(between, ("checkpoint_loaded",))
+            busy = _total(between, LOADS)
             busy += sum(m["eval_seconds"] for m in evals if detected <= m["time"] <= e["time"])
             total += max(0.0, e["time"] - detected - busy)
             detected = None

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from phalanx.config.schema import TrainSection
+from phalanx.parallel.pipeline import counted_in_grad_norm
 
 # Dtypes torch's fused AdamW kernels take (floating point; the trainer's parameters are float32).
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -75,12 +76,13 @@ def lr_at(step: int, train: TrainSection) -> float:
 
 def clip_gradients(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
     """Total gradient norm (clipped to `max_norm` when > 0), correct for FSDP2's sharded DTensor grads
-    and, with `pp_group`, over the whole model when each pipeline stage holds only its own layers."""
-    grads = [p.grad for p in params if p.grad is not None]
+    and, with `pp_group`, over the whole model when each pipeline stage holds only its own layers (a tied
+    embedding weight, held by the first and the last stage with the same summed gradient, counted once)."""
+    grads = [p.grad for p in params if p.grad is not None and counted_in_grad_norm(p)]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if hasattr(total, "full_tensor"):  # a DTensor holding per-shard partial norms
         total = total.full_tensor()
-    if pp_group is not None:  # stages hold disjoint parameters: their squared norms add up
+    if pp_group is not None:  # stages hold disjoint parameters (but for the tied copy): squared norms add up
         import torch.distributed as dist
 
         total = total.pow(2)

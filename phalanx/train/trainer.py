@@ -51,6 +51,7 @@ from phalanx.train.checkpoint import Checkpointer
 from phalanx.train.evaluate import Evaluator
 from phalanx.train.memory_checkpoint import MemorySnapshots, remove_rank
 from phalanx.train.optim import build_optimizer, lr_at
+from phalanx.train.pretrained import load_pretrained
 from phalanx.train.progress import ProgressLine, notice
 from phalanx.train.resume import ResumePoint, resume_point
 from phalanx.train.saving import CheckpointSaves
@@ -115,6 +116,8 @@ class Trainer:
             dtype=dtype,
             float8=tc.dtype == "float8",
             pp_schedule=config.parallel.pp_schedule,
+            # A pretrained run loads every parameter (its checkpoint, or the run's own when resuming).
+            initialise=config.model.pretrained is None,
         )
         # Pipeline parallelism: the schedule runs this rank's stages; losses live on the last stage.
         self.pipeline, self.pp_group = None, None
@@ -194,6 +197,11 @@ class Trainer:
         point = self._resume()
         if point.source != "start":
             notice(point.describe(), self.env.is_main)
+        elif self.config.model.pretrained is not None:  # a fresh run of a pretrained model: its weights
+            path = Path(self.config.model.pretrained)
+            seconds = load_pretrained(self.model, self.args, path)
+            notice(f"started from the pretrained checkpoint {path} ({seconds:.1f} s)", self.env.is_main)
+            self._emit("pretrained_loaded", seconds=round(seconds, 3), path=str(path))
         step = point.step
         self.progress = ProgressLine(tc.max_steps, step, enabled=self.env.is_main)
         if step == 0:

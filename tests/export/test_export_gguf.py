@@ -77,7 +77,8 @@ def test_gguf_keys_and_tensors(run_dir, exports):
     loaded = load_model(run_dir)
     args, tokenizer = loaded.model.args, loaded.tokenizer
     reader = gguf.GGUFReader(exports["f32"])
-    assert field(reader, "general.architecture") == "llama"
+    assert field(reader, "general.architecture") == "llama"  # other families: test_export_gguf_families.py
+    assert "llama.attention.sliding_window" not in reader.fields
     assert field(reader, "general.name") == "export-gguf"
     expected = {
         "llama.context_length": args.max_seq_len,
@@ -87,6 +88,9 @@ def test_gguf_keys_and_tensors(run_dir, exports):
         "llama.attention.head_count": args.n_heads,
         "llama.attention.head_count_kv": args.n_kv_heads,
         "llama.rope.dimension_count": args.head_size,
+        "llama.attention.key_length": args.head_size,
+        "llama.attention.value_length": args.head_size,
+        "phalanx.family": "llama",  # what the architecture alone does not tell (Mistral is written as llama)
         "llama.vocab_size": args.vocab_size,
         "tokenizer.ggml.bos_token_id": 0,
         "tokenizer.ggml.eos_token_id": 1,

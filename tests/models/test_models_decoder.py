@@ -6,7 +6,7 @@ import torch
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import KVCache, ModelArgs, Transformer
 from phalanx.models.rope import apply_rope, rope_rotation, rope_tables
-from phalanx.models.token_pass import Cached, Causal
+from phalanx.models.token_pass import Cached, Causal, DecodeRows
 
 ARGS = ModelArgs(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97, max_seq_len=32, rope_theta=10000.0
@@ -195,3 +195,48 @@ def test_matches_hugging_face_llama_when_available():
     x = tokens(2, 16)
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-8)
+
+
+FAMILY_ARGS = {
+    "mistral-window": ModelArgs(**{**ARGS.__dict__, "family": "mistral", "sliding_window": 5}),
+    "qwen2-bias": ModelArgs(**{**ARGS.__dict__, "family": "qwen2", "qkv_bias": True}),
+    "qwen3-qk-norm": ModelArgs(**{**ARGS.__dict__, "family": "qwen3", "qk_norm": True, "head_dim": 24}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_ARGS))
+def test_every_token_pass_computes_the_whole_forward_for_each_family(name):
+    """Prefill then one-token steps (Cached), and batched per-row decoding (DecodeRows), give what the
+    whole-sequence forward gives, with each family's additions (a window shorter than the sequence, biases,
+    per-head norms and a head_dim of its own)."""
+    args = FAMILY_ARGS[name]
+    torch.manual_seed(0)
+    model = Transformer(args)
+    with torch.no_grad():
+        for p in model.parameters():  # biases and norms start at 0 and 1: give every parameter a value
+            p.add_(torch.randn_like(p) * 0.1)
+        x = tokens(2, 12)
+        full = model(x)
+        cache = KVCache(args, batch_size=2, max_len=16)
+        steps = [model(x[:, :4], Cached(cache))] + [model(x[:, t : t + 1], Cached(cache, t)) for t in range(4, 12)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+        # Two rows at different lengths in one step: row 0 at position 11, row 1 at position 7.
+        rows = KVCache(args, batch_size=2, max_len=16)
+        model(x[:1, :11], Cached(_Row(rows, 0)))
+        model(x[1:, :7], Cached(_Row(rows, 1)))
+        step = model(torch.stack([x[0, 11:12], x[1, 7:8]]), DecodeRows(rows, torch.tensor([11, 7])))[:, 0]
+        torch.testing.assert_close(step, torch.stack([full[0, 11], full[1, 7]]), rtol=0, atol=1e-5)
+    if args.sliding_window:  # and the window matters at this length
+        unwindowed = Transformer(ModelArgs(**{**args.__dict__, "sliding_window": None}))
+        unwindowed.load_state_dict(model.state_dict())
+        assert not torch.allclose(unwindowed(x)[:, 6:], full[:, 6:], atol=1e-3)
+
+
+class _Row:
+    """One row of a KVCache, shaped like a batch-of-one cache (views: writes land in it)."""
+
+    def __init__(self, cache: KVCache, row: int):
+        self.max_len, self.row, self.cache = cache.max_len, row, cache
+
+    def layer(self, i):
+        return self.cache.k[i][self.row : self.row + 1], self.cache.v[i][self.row : self.row + 1]

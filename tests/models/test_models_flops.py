@@ -17,6 +17,31 @@ def test_flops_per_token_hand_computed():
     assert flops_per_token(tied, 32) == flops_per_token(untied, 32) == 6 * 80448 + attention == 531840
 
 
+def test_family_extras_are_counted_by_hand():
+    """Qwen3's head_dim beyond dim / heads and its q/k norms, Qwen2's q/k/v biases, Mistral's window."""
+    import torch
+
+    from phalanx.models.decoder import Transformer
+
+    qwen3 = ModelArgs(**SMALL, tie_embeddings=True, family="qwen3", head_dim=32, qk_norm=True)
+    # Per block: wq + wo 2*64*(4*32), wk + wv 2*64*(2*32), q/k norms 2*32, SwiGLU 3*64*128, norms 2*64.
+    block = 2 * 64 * 128 + 2 * 64 * 64 + 2 * 32 + 3 * 64 * 128 + 2 * 64
+    assert block == 49344 and count_params(qwen3) == 6400 + 2 * block + 64
+    assert flops_per_token(qwen3, 32) == 6 * count_params(qwen3) + 12 * 2 * 4 * 32 * 32
+
+    qwen2 = ModelArgs(**SMALL, tie_embeddings=True, family="qwen2", qkv_bias=True)
+    assert count_params(qwen2) == 80448 + 2 * (64 + 2 * 32)  # biases of q (4 heads x 16), k and v (2 x 16)
+
+    mistral = ModelArgs(**SMALL, tie_embeddings=True, family="mistral", sliding_window=8)
+    # Each query has at most 8 keys: attention's term is that of 8 tokens, past the window.
+    assert flops_per_token(mistral, 32) == 6 * 80448 + 12 * 2 * 4 * 16 * 8
+    assert flops_per_token(mistral, 4) == flops_per_token(ModelArgs(**SMALL, tie_embeddings=True), 4)
+
+    for args in (qwen3, qwen2, mistral):
+        with torch.device("meta"):
+            assert Transformer(args).num_params() == count_params(args)
+
+
 @pytest.mark.parametrize(
     "name, tflops",
     [
@@ -63,7 +88,7 @@ def test_every_preset_is_in_the_readme_table_and_the_help(tmp_path):
     from tests.helpers import phalanx
 
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    rows = dict(re.findall(r"^\| `([0-9a-z]+)`[^|]*\|(?:[^|]*\|){5} ([0-9,]+) \|$", readme, re.M))
+    rows = dict(re.findall(r"^\| `([0-9a-z.-]+)`[^|]*\|(?:[^|]*\|){5} ([0-9,]+) \|$", readme, re.M))
     assert rows == {name: f"{count_params(args):,}" for name, args in MODEL_PRESETS.items()}
     for command in ("bench", "plan"):
         help_text = re.sub(r"[│\s]+", " ", phalanx(command, "--help").stdout)  # rich's box, lines joined

@@ -46,5 +46,86 @@ def main(parallel: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def train(parallel: str, out: str, options: str) -> None:
+    """A few optimizer steps (train/step.py's train_step, through the Pipeline under pp) of the model with
+    `options["model"]` changed (e.g. tied embeddings), on fixed random batches every layout sees alike;
+    saves each rank's full parameters before and after (every name, a tied weight's second one too), its
+    per-step losses (last stage; None elsewhere) and gradient norms."""
+    import dataclasses
+    import gc
+
+    from phalanx.config.schema import TrainSection
+    from phalanx.parallel.mesh import dp_coordinate
+    from phalanx.parallel.pipeline import Pipeline, microbatches
+    from phalanx.train.optim import build_optimizer
+    from phalanx.train.step import train_step
+
+    options = json.loads(options)
+    args = dataclasses.replace(ARGS, **options.get("model", {}))
+    schedule = options.get("schedule", "1f1b")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    layout = resolve_layout(ParallelSection(**json.loads(parallel)), world)
+    mesh = build_mesh(layout, "cpu")
+    cpu = torch.device("cpu")
+    model = build_parallel_model(
+        args,
+        layout,
+        mesh,
+        cpu,
+        seed=1337,
+        activation_checkpointing=False,
+        compile=False,
+        dtype=torch.float32,
+        pp_schedule=schedule,
+    )
+    pipeline = pp_group = None
+    if layout.pp > 1:
+        pp_group = mesh["pp"].get_group()
+        pipeline = Pipeline(model, schedule, microbatches(layout.pp, None), pp_group, cpu)
+    # A high learning rate and a low clip: a gradient counted twice, or copies drifting apart, would show.
+    optimizer = build_optimizer(model, TrainSection(lr=1e-2, grad_clip=0.5))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {
+            name.replace("module.", "").replace("_checkpoint_wrapped_module.", ""): (
+                p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            ).clone()
+            for name, p in model.named_parameters(remove_duplicate=False)
+        }
+
+    before = full_parameters(model)
+    dp_rank, dp_world = dp_coordinate(mesh, layout)
+    losses, norms = [], []
+    for step in range(options.get("steps", 3)):
+        tokens = torch.randint(0, args.vocab_size, (8, 17), generator=torch.Generator().manual_seed(step))
+        mine = tokens[dp_rank::dp_world]  # this data-parallel rank's rows; one process takes all
+        outcome = train_step(
+            model,
+            optimizer,
+            params,
+            [(mine[:, :-1], mine[:, 1:])],
+            device=cpu,
+            grad_clip=0.5,
+            pipeline=pipeline,
+            pp_group=pp_group,
+        )
+        last = pipeline is None or pipeline.has_last
+        losses.append(outcome.loss_sum.item() / outcome.parts if last else None)
+        norms.append(outcome.grad_norm.item())
+    rank = os.environ.get("RANK", "0")
+    torch.save({"before": before, "after": full_parameters(model), "losses": losses, "norms": norms}, f"{out}.{rank}")
+    del model, optimizer, params, pipeline  # before the group goes: the teardown flake (DESIGN.md)
+    gc.collect()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__" and len(sys.argv) > 3:  # with options: train a few steps (test_pipeline_tied.py)
+    train(*sys.argv[1:])
+    sys.exit(0)
+
 if __name__ == "__main__":
     main(*sys.argv[1:])

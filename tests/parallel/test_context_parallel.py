@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from phalanx.errors import PhalanxError
+from phalanx.models.token_pass import visible
 from phalanx.parallel.context_parallel import ContextParallel, check_cp, zigzag_positions
 from tests.helpers import free_port, losses_by_step, phalanx, train_json
 
@@ -35,7 +36,7 @@ def test_cp_needs_sequences_that_split_into_2cp_chunks():
         check_cp(2, 32, compile=True)
 
 
-def _ring_worker(rank: int, world: int, port: int) -> None:
+def _ring_worker(rank: int, world: int, port: int, window: int | None = None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         # Every rank draws the same full tensors, computes the reference on them, then takes its share.
@@ -44,17 +45,20 @@ def _ring_worker(rank: int, world: int, port: int) -> None:
         q, grad_out = torch.randn(B, H, T, E, generator=gen), torch.randn(B, H, T, E, generator=gen)
         k, v = torch.randn(B, K, T, E, generator=gen), torch.randn(B, K, T, E, generator=gen)
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True).backward(grad_out)
+        # The reference: causal, and with a sliding window (Mistral) no more than `window` keys back.
+        positions = torch.arange(T)
+        mask = visible(positions, positions, window)
+        F.scaled_dot_product_attention(*full, attn_mask=mask, enable_gqa=True).backward(grad_out)
 
         split = ContextParallel(dist.group.WORLD)
         mine = [split.shard(t.transpose(1, 2)).transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
-        out = split.attend(*mine)
+        out = split.attend(*mine, window)
         out.backward(split.shard(grad_out.transpose(1, 2)).transpose(1, 2))
 
-        expected_out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        expected_out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         torch.testing.assert_close(out, split.shard(expected_out.transpose(1, 2)).transpose(1, 2), rtol=1e-5, atol=1e-5)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # the ring keeps its softmax in float32 anyway
-            torch.testing.assert_close(split.attend(*mine), out, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(split.attend(*mine, window), out, rtol=1e-6, atol=1e-6)
         for name, local, reference in zip("qkv", mine, full):
             # A key's gradient gathers every rank's queries that saw it: it came back round the ring.
             torch.testing.assert_close(
@@ -69,9 +73,13 @@ def _ring_worker(rank: int, world: int, port: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])  # 3 ranks: the ring's direction matters (2 cannot tell)
-def test_ring_attention_matches_full_causal_sdpa(world):
-    mp.spawn(_ring_worker, args=(world, free_port()), nprocs=world, join=True)
+@pytest.mark.parametrize(
+    "world, window",
+    [(2, None), (3, None), (3, 7)],  # 3 ranks: the ring's direction matters (2 cannot tell)
+    ids=["2", "3", "3-window"],  # a window of 7 hides whole blocks from some queries, parts of others
+)
+def test_ring_attention_matches_full_causal_sdpa(world, window):
+    mp.spawn(_ring_worker, args=(world, free_port(), window), nprocs=world, join=True)
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ def test_interleaved_placement_loops_over_ranks():
 @pytest.mark.parametrize(
     "given, message",
     [
-        ({"pp": 2}, "tie_embeddings=true"),
+        ({"pp": 2}, None),  # tied embeddings: a copy on the first and the last stage (test_pipeline_tied.py)
         ({"pp": 4, "pp_schedule": "interleaved_1f1b", "tied": False}, "8 pipeline stages need at least 6 layers"),
         ({"pp": 2, "cp": 2, "tied": False}, "does not compose with parallel.cp"),
         ({"pp": 2, "pp_microbatches": 3, "tied": False}, "pp_microbatches=3 does not divide the micro-batch of 4"),
@@ -89,11 +89,8 @@ def test_stages_chained_compute_the_whole_model_under_its_names(n_stages):
 
 @pytest.mark.parametrize(
     "overrides, message",
-    [
-        ([], "set model.tie_embeddings=false"),
-        (["model.tie_embeddings=false", "parallel.pp_microbatches=3"], "pp_microbatches=3 does not divide"),
-    ],
-    ids=["tied", "microbatches"],
+    [(["parallel.pp_microbatches=3"], "pp_microbatches=3 does not divide")],
+    ids=["microbatches"],
 )
 def test_bad_pipelines_are_refused_before_any_rank_starts(tiny_args, overrides, message):
     proc = phalanx("train", *tiny_args, "parallel.pp=2", *overrides, "--nproc", "2", check=False, timeout=120)
@@ -113,7 +110,7 @@ def relative_differences(a: dict[int, float], b: dict[int, float]) -> list[float
 
 @pytest.fixture(scope="module")
 def one_process(corpus, tmp_path_factory):
-    """Ten steps on one process, untied (a weight shared by the first and last stage cannot be split)."""
+    """Ten steps on one process, untied (tied embeddings under pp: test_pipeline_tied.py)."""
     from tests.conftest import TINY
 
     root = tmp_path_factory.mktemp("pipeline")

@@ -20,8 +20,9 @@ def rope_bytes(args):
 
 
 def step_counters(args):
-    """AdamW's float32 `step`, one per parameter tensor (embedding, final norm, output if untied, 9 per block)."""
-    return 4 * (2 + (not args.tie_embeddings) + 9 * args.n_layers)
+    """AdamW's float32 `step`, one per parameter tensor (embedding, final norm, output if untied, and each
+    block's)."""
+    return 4 * (2 + (not args.tie_embeddings) + len(param_shapes(args)["block"]) * args.n_layers)
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))

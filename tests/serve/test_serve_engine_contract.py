@@ -102,7 +102,7 @@ class EchoEngine(ScheduledEngine):
         self.tokenizer, self.slots, self.max_queue, self.context = tokenizer, slots, max_queue, 64
         self.vocabulary = TokenVocabulary(tokenizer, 1, tokenizer.get_vocab_size())
         self.observer, self.device, self.steps_run = None, "cpu", 0
-        self.scheduler = SlotScheduler(self, "echo-engine", slots, max_queue, self.context, 1, self.vocabulary, None)
+        self.scheduler = SlotScheduler(self, "echo-engine", slots, max_queue, self.context, [1], self.vocabulary, None)
 
     @property
     def kv_cache_bytes(self) -> int:

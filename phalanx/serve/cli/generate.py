@@ -22,8 +22,9 @@ def generate_options(max_new_tokens: int, seed: int | None, **given: float | int
 
 
 def generate_text(served: ServedModel, prompt: str, options: SamplingOptions) -> Iterator[str]:
-    """The text the model writes after `prompt` (framed as in training: BOS, then the text), piece by
-    piece, up to its end-of-text token or options.max_tokens."""
+    """The text the model writes after `prompt` (framed as in training: BOS where the tokenizer has one,
+    then the text), piece by piece, up to a stop token (end of text, a checkpoint's end of turn) or
+    options.max_tokens."""
     ids = served.text_prompt_ids(prompt)
     context = served.loaded.model.args.max_seq_len
     if options.max_tokens is not None and len(ids) + options.max_tokens > context:

@@ -1,9 +1,10 @@
 """Embeddings from the served model: the final norm's hidden states, mean-pooled over the input's tokens
 and L2-normalised (so a dot product is a cosine similarity).
 
-Each input is framed as in training (BOS, then the text's tokens). BOS feeds the model but is left out
-of the mean: at position 0 its state is the same for every input and would pull all embeddings towards
-one point; an empty input has nothing else, so its embedding is BOS's own.
+Each input is framed as in training (BOS, then the text's tokens; no BOS for a tokenizer without one, as
+Qwen's). BOS feeds the model but is left out of the mean: at position 0 its state is the same for every
+input and would pull all embeddings towards one point; an empty input has nothing else, so its embedding
+is BOS's own (without BOS an empty input is refused before it gets here).
 
 The model is shared with the decode engine, whose thread is the only one that runs it in steps. An
 embedding request does not join those steps (they are shaped for decoding); it runs on one worker thread
@@ -79,7 +80,7 @@ def plan_batches(inputs: list[list[int]], max_batch_tokens: int = MAX_BATCH_TOKE
     return batches
 
 
-def embed_batch(model: Transformer, inputs: list[list[int]], batch: list[int], bos_id: int) -> list[list[float]]:
+def embed_batch(model: Transformer, inputs: list[list[int]], batch: list[int], bos_id: int | None) -> list[list[float]]:
     """One forward: the unit vectors of inputs[i] for i in batch, right-padded to the longest (causal
     attention: the padding changes no real position's state)."""
     device = model.tok_embeddings.weight.device
@@ -89,7 +90,7 @@ def embed_batch(model: Transformer, inputs: list[list[int]], batch: list[int], b
     for row, i in enumerate(batch):
         ids = inputs[i]
         tokens_BT[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        first = 1 if len(ids) > 1 and ids[0] == bos_id else 0  # BOS is context, not content
+        first = 1 if bos_id is not None and len(ids) > 1 and ids[0] == bos_id else 0  # BOS is context, not content
         mask_BT[row, first : len(ids)] = 1.0
     with torch.inference_mode():
         hidden_BTD = model.hidden_states(tokens_BT).float()
@@ -122,7 +123,7 @@ class Embedder:
     def __init__(
         self,
         model: Transformer,
-        bos_id: int,
+        bos_id: int | None,  # None: the tokenizer has no BOS, every token is content
         max_waiting: int = MAX_WAITING,
         poll_seconds: float = DISCONNECT_POLL_SECONDS,
     ):

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -97,7 +97,7 @@ class SlotScheduler:
         slots: int,
         max_queue: int,
         context: int,
-        eos_id: int,
+        stop_ids: Iterable[int],
         vocabulary: TokenVocabulary,
         observer: EngineObserver | None,
     ):
@@ -105,7 +105,10 @@ class SlotScheduler:
             raise ValueError("an engine needs at least one slot and a queue of at least 0")
         self.steps, self.name = steps, name
         self.slots, self.max_queue, self.context = slots, max_queue, context
-        self.eos_id, self.vocabulary, self.observer = eos_id, vocabulary, observer
+        # Every token that ends a reply: EOS, and a checkpoint's others (its end of turn, <|eot_id|> or
+        # <|im_end|>, and generation_config.json's eos_token_id list: data/tokenizer.py SpecialTokens).
+        self.stop_ids = frozenset(stop_ids)
+        self.vocabulary, self.observer = vocabulary, observer
         self.running: dict[int, Running] = {}  # slot -> its request; changed under the lock (occupy, finish)
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -208,7 +211,7 @@ class SlotScheduler:
         constraint = run.request.constraint
         if constraint is not None:
             constraint.accept(token)
-        if token == self.eos_id and not run.request.options.ignore_eos:
+        if token in self.stop_ids and not run.request.options.ignore_eos:
             return self.finish(run, "stop")
         if run.logprobs is not None:
             run.logprobs.append(self.steps.logprob_entry(token, scores, run.request.top_logprobs))

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from phalanx.data.chat_template import CHAT_STOP, render_chat
+from phalanx.data.chat_template import CHAT_STOP, CHAT_TEMPLATE, render_chat
 from phalanx.data.prompt_tokens import PromptEncoder
-from phalanx.data.tokenizer import BOS
 from phalanx.run.model_loader import LoadedModel, load_model
 
 
@@ -30,9 +29,10 @@ class ServedModel:
 
     @property
     def chat_stops(self) -> list[str]:
-        # Where a reply ends besides end-of-text: phalanx's template ends a turn with a blank line and the
-        # next speaker's name, which a model trained on plays goes on to write.
-        return list(CHAT_STOP)
+        # Where a reply ends besides its stop ids: phalanx's template ends a turn with a blank line and the
+        # next speaker's name, which a model trained on plays goes on to write. A checkpoint's template
+        # ends a turn with a token (<|eot_id|>, <|im_end|>), among the stop ids already.
+        return list(CHAT_STOP) if self.loaded.chat_template == CHAT_TEMPLATE else []
 
     def matches(self, requested: str) -> bool:
         return requested == self.name or (":" not in self.name and requested == f"{self.name}:latest")
@@ -67,25 +67,24 @@ class ServedModel:
 
         def render(shown: list[dict[str, Any]]) -> str:
             try:
-                return render_chat(shown, bos_token=BOS, template=self.loaded.chat_template)
+                return render_chat(shown, template=self.loaded.chat_template, **self.loaded.specials.template_strings())
             except Exception as e:  # jinja2's errors from a template that came with an export
                 raise ValueError(f"the chat template could not render these messages: {e}") from None
 
         return self.prompt_encoder.chat_ids(messages, render)
 
     def text_prompt_ids(self, text: str) -> list[int]:
-        """Plain text to continue, framed as in training: BOS, then the text (special-token strings in it
-        are text, never control tokens)."""
-        bos = self.loaded.tokenizer.token_to_id(BOS)
-        return [bos] + self.prompt_encoder.text_ids(text)
+        """Plain text to continue, framed as in training: BOS (where the tokenizer has one), then the text
+        (special-token strings in it are text, never control tokens)."""
+        return self.loaded.specials.frame(self.prompt_encoder.text_ids(text))
 
     def details(self) -> dict[str, Any]:
         """Ollama's `details` object."""
         return {
             "parent_model": "",
             "format": self.loaded.format,
-            "family": "llama",
-            "families": ["llama"],
+            "family": self.loaded.model.args.family,
+            "families": [self.loaded.model.args.family],
             "parameter_size": _human_count(self.parameters),
             "quantization_level": _DTYPE_NAMES.get(next(self.loaded.model.parameters()).dtype, "unknown"),
         }

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from phalanx.data.tokenizer import special_ids
+from phalanx.data.tokenizer import special_tokens
 from phalanx.errors import PhalanxError
 from phalanx.serve.core.contract import EngineObserver, Request
 from phalanx.serve.core.sampler import RequestSampler
@@ -103,7 +103,8 @@ class LlamaCppEngine(ScheduledEngine):
         if slots < 1 or max_queue < 0:  # before llama.cpp allocates anything
             raise ValueError("an engine needs at least one slot and a queue of at least 0")
         self.tokenizer = tokenizer
-        self.bos_id, self.eos_id = special_ids(tokenizer)
+        self.specials = special_tokens(tokenizer)  # refuses a tokenizer without them, before anything starts
+        self.bos_id, self.eos_id = self.specials.bos_id, self.specials.eos_id
         self.slots, self.max_queue = slots, max_queue
         self.device = CPU
         self.threads = threads or torch.get_num_threads() or os.cpu_count() or 1
@@ -118,10 +119,13 @@ class LlamaCppEngine(ScheduledEngine):
             unified_kv,
             flash_attention,
         )
-        if (self.llama.bos_id, self.llama.eos_id) != (self.bos_id, self.eos_id):
+        # BOS is compared only where the tokenizer has one: a GGUF without BOS names none, and llama.cpp
+        # then reports a default of its own (phalanx feeds the prompt's ids itself, so it is never used).
+        theirs = (self.llama.bos_id if self.bos_id is not None else None, self.llama.eos_id)
+        if theirs != (self.bos_id, self.eos_id):
             self.llama.close()
             raise PhalanxError(
-                f"{gguf_path} has begin/end-of-text tokens {self.llama.bos_id}/{self.llama.eos_id}, "
+                f"{gguf_path} has begin/end-of-text tokens {theirs[0]}/{theirs[1]}, "
                 f"the tokenizer {self.bos_id}/{self.eos_id}: it was not exported with this tokenizer"
             )
         self.context = self.llama.context
@@ -131,7 +135,14 @@ class LlamaCppEngine(ScheduledEngine):
         self.observer = observer
         self.vocabulary = TokenVocabulary(tokenizer, self.eos_id, self.vocab_size)
         self.scheduler = SlotScheduler(
-            self, "phalanx-llamacpp-engine", slots, max_queue, self.context, self.eos_id, self.vocabulary, observer
+            self,
+            "phalanx-llamacpp-engine",
+            slots,
+            max_queue,
+            self.context,
+            self.specials.stop_ids,
+            self.vocabulary,
+            observer,
         )
 
     # ---- the caller's side (the rest of ServingEngine is ScheduledEngine's) ----

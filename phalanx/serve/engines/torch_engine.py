@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
-from phalanx.data.tokenizer import special_ids
+from phalanx.data.tokenizer import special_tokens
 from phalanx.models.decoder import KVCache, Transformer
 from phalanx.models.token_pass import Cached, DecodeRows, decode_attention_dtype
 from phalanx.serve.core.contract import EngineObserver, Request
@@ -147,13 +147,14 @@ class Engine(ScheduledEngine):
         args = model.args
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.bos_id, self.eos_id = special_ids(tokenizer)
+        self.specials = special_tokens(tokenizer)  # refuses a tokenizer without them, before anything starts
+        self.bos_id, self.eos_id = self.specials.bos_id, self.specials.eos_id
         self.slots, self.max_queue = slots, max_queue
         self.context = min(context or args.max_seq_len, args.max_seq_len)
         self.observer = observer
         self.vocabulary = TokenVocabulary(tokenizer, self.eos_id, args.vocab_size)
         self.scheduler = SlotScheduler(
-            self, "phalanx-engine", slots, max_queue, self.context, self.eos_id, self.vocabulary, observer
+            self, "phalanx-engine", slots, max_queue, self.context, self.specials.stop_ids, self.vocabulary, observer
         )
         weight = model.tok_embeddings.weight
         self.device = weight.device

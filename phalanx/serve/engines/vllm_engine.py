@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from phalanx.data.tokenizer import special_ids
+from phalanx.data.tokenizer import special_tokens
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs
 from phalanx.run.hf_format import read_hf_args
@@ -124,7 +124,8 @@ class VllmEngine(ScheduledEngine):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))[:threads]))
         vllm, self._delta = _vllm()
         self.tokenizer = tokenizer
-        self.bos_id, self.eos_id = special_ids(tokenizer)
+        self.specials = special_tokens(tokenizer)  # refuses a tokenizer without them, before anything starts
+        self.bos_id, self.eos_id = self.specials.bos_id, self.specials.eos_id
         self.slots, self.max_queue = slots, max_queue
         args = read_hf_args(Path(export_dir))
         self.vocab_size = args.vocab_size
@@ -150,7 +151,14 @@ class VllmEngine(ScheduledEngine):
         self.observer = observer
         self.vocabulary = _NoGrammars(tokenizer, self.eos_id, self.vocab_size)
         self.scheduler = SlotScheduler(
-            self, "phalanx-vllm-engine", slots, max_queue, self.context, self.eos_id, self.vocabulary, observer
+            self,
+            "phalanx-vllm-engine",
+            slots,
+            max_queue,
+            self.context,
+            self.specials.stop_ids,
+            self.vocabulary,
+            observer,
         )
         # vLLM is built on the thread that will step it: its CPU worker pins that thread's OpenMP team, and
         # its attention kernels check that they run with the team they were planned for (stepped from
@@ -233,7 +241,7 @@ class VllmEngine(ScheduledEngine):
             frequency_penalty=o.frequency_penalty if penalties else 0.0,
             max_tokens=request.limit,
             ignore_eos=o.ignore_eos,
-            stop_token_ids=None if o.ignore_eos else [self.eos_id],
+            stop_token_ids=None if o.ignore_eos else list(self.specials.stop_ids),
             logprobs=request.top_logprobs,
             detokenize=False,
             output_kind=self._delta.DELTA,

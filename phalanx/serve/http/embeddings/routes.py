@@ -38,7 +38,7 @@ def _ns(seconds: float) -> int:
 
 def embeddings_router(served: ServedModel, engine: ServingEngine, residency: ModelResidency) -> APIRouter:
     router = APIRouter()
-    embedder = Embedder(served.loaded.model, _bos_id(served))
+    embedder = Embedder(served.loaded.model, served.loaded.specials.bos_id)
     context = engine.context
 
     def check_dimensions(dimensions: int | None, param: str | None) -> None:
@@ -55,8 +55,11 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
         limit = min(num_ctx or context, context)
         if len(texts) > MAX_INPUTS:
             raise ApiError(400, f"at most {MAX_INPUTS} inputs per request (got {len(texts)})", param="input")
+        ids = [served.text_prompt_ids(t) for t in texts]
+        if any(not i for i in ids):  # an empty text, and no BOS to stand for it (a Qwen tokenizer)
+            raise ApiError(400, "'input' holds an empty string, which this model cannot embed", param="input")
         try:
-            return [fit_to_context(served.text_prompt_ids(t), limit, truncate) for t in texts]
+            return [fit_to_context(i, limit, truncate) for i in ids]
         except InputTooLong as e:
             raise ApiError(400, str(e), code="context_length_exceeded", param="input") from None
 
@@ -141,7 +144,7 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
         arrays = [given] if all(isinstance(x, int) for x in given) else given
         if len(arrays) > MAX_INPUTS:
             raise ApiError(400, f"at most {MAX_INPUTS} inputs per request (got {len(arrays)})", param="input")
-        vocab, bos = served.loaded.model.args.vocab_size, _bos_id(served)
+        vocab, bos = served.loaded.model.args.vocab_size, served.loaded.specials.bos_id
         out = []
         for ids in arrays:
             if not ids:
@@ -149,8 +152,8 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ApiError(400, f"token id {bad} is outside the vocabulary (0 to {vocab - 1})", param="input")
-            # Framed as text is (BOS first), so a text and its token ids embed alike.
-            framed = ids if ids[0] == bos else [bos, *ids]
+            # Framed as text is (BOS first, where there is one), so a text and its token ids embed alike.
+            framed = ids if bos is None or ids[0] == bos else [bos, *ids]
             try:
                 out.append(fit_to_context(framed, context, truncate=False))
             except InputTooLong as e:
@@ -158,10 +161,6 @@ def embeddings_router(served: ServedModel, engine: ServingEngine, residency: Mod
         return out
 
     return router
-
-
-def _bos_id(served: ServedModel) -> int:
-    return served.text_prompt_ids("")[0]
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

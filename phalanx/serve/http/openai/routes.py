@@ -2,8 +2,8 @@
 
 Streams are server-sent events: for chat, the first chunk carries the assistant role, content follows in
 deltas, the last choice chunk carries finish_reason, then (with stream_options.include_usage) a chunk of
-usage with no choices, then `data: [DONE]`. /v1/completions continues the prompt as plain text (BOS,
-then the text); chat renders the messages with the chat template. With n > 1 the samples' chunks
+usage with no choices, then `data: [DONE]`. /v1/completions continues the prompt as plain text (BOS
+where the tokenizer has one, then the text); chat renders the messages with the chat template. With n > 1 the samples' chunks
 interleave, each choice by its index (serve/http/choices.py); replies.py shapes choices, tool calls and
 log-probabilities.
 """
