@@ -20,7 +20,8 @@ from phalanx.data.chat_template import read_template
 from phalanx.data.tokenizer import read_specials
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs, Transformer
-from phalanx.models.families import args_from_hf_config, hf_names
+from phalanx.models.families import hf_names
+from phalanx.models.from_config import pretrained_args
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint: tensor name -> shard file
@@ -154,14 +155,8 @@ def read_chat_template(path: Path) -> str | None:
 
 
 def read_hf_args(path: Path) -> ModelArgs:
-    """The ModelArgs of an HF directory, from its config.json alone."""
-    try:
-        config = json.loads((Path(path) / CONFIG_FILE).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise PhalanxError(f"{path}/{CONFIG_FILE} is not valid JSON") from None
-    except OSError as e:
-        raise PhalanxError(f"{path}/{CONFIG_FILE} could not be read: {e.strerror}") from None
-    return args_from_hf_config(config, Path(path))
+    """The ModelArgs of an HF directory, from its config.json alone (the one reader: models/from_config.py)."""
+    return pretrained_args(Path(path))
 
 
 def read_hf_model(path: Path) -> Transformer:
