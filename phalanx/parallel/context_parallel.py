@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import PhalanxError
-from phalanx.models.token_pass import TokenPass, heads_last, visible
+from phalanx.models.token_pass import TokenPass, check_length, heads_last, visible
 
 
 def check_cp(cp: int, seq_len: int, compile: bool = False) -> None:
@@ -174,10 +174,7 @@ class RingPass(TokenPass):
         self.split = split
 
     def rope_positions(self, length, max_seq_len, device):
-        if length * self.split.cp > max_seq_len:
-            raise PhalanxError(
-                f"sequence of {length * self.split.cp} tokens exceeds the model's max_seq_len {max_seq_len}"
-            )
+        check_length(length * self.split.cp, max_seq_len)  # the whole sequence, not this rank's slice
         return self.split.positions(length, device)
 
     def attend(self, attention, q_BHTE, k_BKTE, v_BKTE):
