@@ -495,6 +495,8 @@ class MemorySnapshots:
 
     def close(self) -> None:
         """Let a running write finish (so nothing writes after the directory is removed)."""
+        if self.peer is not None:
+            self.peer.stop_offers()  # a write waiting to hand its copy over ends now
         if self._writer is not None:
             self._wait()
             self._writer.shutdown(wait=True)

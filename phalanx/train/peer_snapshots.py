@@ -10,9 +10,13 @@ unpickled or run: the bytes are only ever copied into tensors, after the CRC che
 
 The copies travel over a gloo process group of their own, created once, on two threads (one sends, one
 receives), so a training step never waits for one and the training group's collectives never interleave
-with them. A new copy is skipped while the previous one is still being sent: queueing them would hold
-ever more snapshot-sized buffers when the link is slower than the snapshot interval, and only the newest
-copy matters (a skipped step costs at most the steps since the previous copy).
+with them. A new copy waits for the previous one to be sent (the snapshot writer waits, and so the next
+snapshot): copies must keep up with the rank's own snapshots, because a resume needs a step that every
+survivor still holds itself (SLOTS, memory_checkpoint.py) and that the lost ranks' peers hold a copy of.
+Skipping copies while one is in flight let them fall behind on a loaded machine until no held copy
+matched any survivor's own snapshot, and the resume went back to the disk checkpoint (seen in CI). A slow
+link so shows up in the snapshot's measured cost (`memory_interval: auto` lengthens the interval); only a
+copy still in flight after PATIENCE seconds (a frozen peer) is skipped, so that training never hangs on one.
 
 At resume, every rank counts a step as available when it or its peer holds it; a rank that lacks its
 own copy of the agreed step (a replacement node) is sent the one its peer holds, checks its CRC, and
@@ -43,6 +47,7 @@ from phalanx.run.snapshots import (
 )
 
 KEEP = 2  # copies held per source rank: the newest, and the one before (a peer may have finished one fewer)
+PATIENCE = 30.0  # seconds a new copy waits for the previous one to be sent before it is skipped
 STOP = -1
 
 
@@ -80,10 +85,11 @@ class PeerCopies:
                 self._threads.append(thread)
 
     def offer(self, step: int, flat: torch.Tensor, sidecar: dict[str, Any]) -> bool:
-        """From the snapshot writer, once `step` is sealed: hand a copy to the sender unless one is still
-        in flight (then skipped: see the module's docstring). Whether it was taken."""
+        """From the snapshot writer, once `step` is sealed: hand a copy to the sender once the previous
+        one is sent (see the module's docstring). Whether it was taken."""
         with self._wake:
             self._start()
+            self._wake.wait_for(lambda: not self._busy or self._closing, timeout=PATIENCE)
             if self._busy or self._closing:
                 return False
             side = json.dumps(sidecar).encode()
@@ -141,6 +147,12 @@ class PeerCopies:
                     f"warning: rank {self.rank}: cannot keep rank {self.source}'s peer copy of step "
                     f"{step} ({exc.strerror or exc})"
                 )
+
+    def stop_offers(self) -> None:
+        """Take no more copies: a writer waiting to offer one returns at once (the rank is closing)."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify_all()
 
     def close(self) -> None:
         """Stop both threads (the peer's receiver is told by our sender); nothing is sent after this."""
