@@ -26,12 +26,13 @@ X_AXES = ("step", "tokens", "time")
 MAX_SMOOTHING = 0.99
 MAX_CHECKPOINT_MARKS = 100  # a save every few steps of a long run would be a solid wall of lines
 
-# Line charts of the run page: (series field, title, y-axis title, y tick format).
+# Line charts of the run page: (series field, title, y-axis title, y tick format). Throughput and MFU
+# are each step's own rates; the run's averages (the tiles, the runs list) are phalanx/run/throughput.py's.
 LINE_CHARTS = (
     ("lr", "Learning rate", "lr", ".2e"),
     ("grad_norm", "Gradient norm", "norm", ""),
-    ("tokens_per_sec", "Throughput", "tokens/s", "~s"),
-    ("mfu", "MFU", "model FLOPs utilisation", ".1%"),
+    ("tokens_per_sec", "Throughput per step", "tokens/s", "~s"),
+    ("mfu", "MFU per step", "model FLOPs utilisation", ".1%"),
     ("peak_mem_gib", "Peak memory", "GiB", ""),
     ("step_seconds", "Step time", "seconds", ""),
 )

@@ -97,7 +97,11 @@ RUN_GAUGES = (
     ("phalanx_run_step", "Last completed optimizer step", "last_step"),
     ("phalanx_run_loss", "Training loss at the last step", "last_loss"),
     ("phalanx_run_val_loss", "Newest validation loss", "last_val_loss"),
-    ("phalanx_run_mfu_ratio", "Model FLOPs utilisation of one device (0-1)", "mfu"),
+    (
+        "phalanx_run_mfu_ratio",
+        "Model FLOPs utilisation of one device (0-1), the run's average over its training steps",
+        "mfu",
+    ),
     ("phalanx_run_ettr_ratio", "Effective training time ratio (productive / wall)", "ettr"),
     ("phalanx_run_last_update_timestamp_seconds", "When the run last reported (Unix time)", "updated_at"),
 )

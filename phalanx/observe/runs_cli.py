@@ -12,7 +12,7 @@ from rich.box import SIMPLE_HEAD
 from rich.console import Console
 from rich.table import Table
 
-from phalanx.console import JsonOpt, fitted_table
+from phalanx.console import JsonOpt, fitted_table, format_value
 
 runs_app = typer.Typer(
     no_args_is_help=True,
@@ -101,7 +101,8 @@ def runs_show(
     store: Optional[str] = StoreOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    """One run: its state, goodput, nodes and events.
+    """One run: its state, goodput, nodes and events. tokens_per_sec, achieved_tflops and mfu are the
+    run's averages over its training time, the figures the training summary and the dashboard show.
 
     Examples:
     phalanx runs show demo
@@ -127,6 +128,7 @@ def runs_show(
         "last_loss",
         "last_val_loss",
         "tokens_per_sec",
+        "achieved_tflops",
         "mfu",
         "restarts",
         "ettr",
@@ -137,7 +139,7 @@ def runs_show(
             key,
             ", ".join(value)
             if isinstance(value, list)
-            else _num(value)
+            else format_value(value)  # as the training summary prints its figures
             if isinstance(value, float)
             else "-"
             if value is None
@@ -201,11 +203,12 @@ def runs_compare(
         "last_loss",
         "last_val_loss",
         "tokens_per_sec",
+        "achieved_tflops",
         "mfu",
         "ettr",
         "restarts",
     ):
-        table.add_row(key, *(_num(r[key]) if isinstance(r[key], float) else str(r[key]) for r in found))
+        table.add_row(key, *(format_value(r[key]) if isinstance(r[key], float) else str(r[key]) for r in found))
     for key in differs:
         table.add_row(f"[bold]{key}", *(json.dumps(f.get(key)) for f in flat))
     out.print(table)

@@ -28,6 +28,7 @@ from phalanx.extras import require
 from phalanx.observe import tables as t
 from phalanx.observe.redaction import redact as redact_secrets
 from phalanx.observe.redaction import redact_url
+from phalanx.run.throughput import LAUNCH, RunThroughput
 
 STORE_FILE = "phalanx.db"
 MAX_RUN_ID = 2**31 - 1  # runs.id is a 32-bit integer column
@@ -288,6 +289,8 @@ class RunStore:
                 if updated.rowcount == 0:
                     conn.execute(t.ingest_offsets.insert().values(run_id=run_id, path=path, position=position))
             summary = _run_summary(metrics, events)
+            if any("step_seconds" in m for m in metrics) or any(e["kind"] == LAUNCH for e in events):
+                summary.update(_add_throughput(conn, run_id, metrics, events))
             if any(e["kind"] == "restart" for e in events):
                 # Every node's agent logs each restart of the job: count the node that logged most.
                 per_node = (
@@ -683,7 +686,8 @@ def _step_row(run_id: int, m: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_summary(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
-    """What a batch changes in the runs row: the newest step's figures and running vs restarting."""
+    """What a batch changes in the runs row: the newest step's figures and running vs restarting (the
+    run's throughput is _add_throughput's)."""
     out: dict[str, Any] = {}
     trained = [m for m in metrics if "loss" in m]
     if trained:
@@ -691,8 +695,6 @@ def _run_summary(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
         out.update(
             last_step=last["step"],
             last_loss=_num(last["loss"]),
-            tokens_per_sec=_num(last.get("tokens_per_sec")),
-            mfu=_num(last.get("mfu")),
             tokens_seen=_num(last.get("tokens_seen")),
         )
     validated = [m for m in metrics if m.get("val_loss") is not None]
@@ -708,6 +710,15 @@ def _run_summary(metrics: list[dict], events: list[dict]) -> dict[str, Any]:
     elif last_progress is not None:
         out["status"] = "running"
     return out
+
+
+def _add_throughput(conn: sa.Connection, run_id: int, metrics: list[dict], events: list[dict]) -> dict[str, Any]:
+    """The runs row's tokens_per_sec, achieved_tflops and mfu with a batch added: the run's average over
+    its training time (phalanx/run/throughput.py), from the running sums the row keeps."""
+    saved = conn.execute(sa.select(t.runs.c.throughput).where(t.runs.c.id == run_id).with_for_update()).scalar()
+    throughput = RunThroughput(json.loads(saved) if saved else None)
+    throughput.add(metrics, events)
+    return {"throughput": json.dumps(throughput.state()), **throughput.rates()}
 
 
 def _run_dict(row: Any) -> dict[str, Any]:
@@ -728,6 +739,7 @@ def _run_dict(row: Any) -> dict[str, Any]:
             "last_loss",
             "last_val_loss",
             "tokens_per_sec",
+            "achieved_tflops",
             "mfu",
             "restarts",
             "ettr",

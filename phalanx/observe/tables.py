@@ -29,6 +29,8 @@ runs = Table(
     Column("max_steps", Integer),
     Column("last_loss", Float),
     Column("last_val_loss", Float),
+    # tokens_per_sec (global), mfu and achieved_tflops (per device, below): the run's averages over its
+    # training time (phalanx/run/throughput.py); `throughput` holds the running sums they come from (JSON).
     Column("tokens_per_sec", Float),
     Column("mfu", Float),
     Column("restarts", Integer, nullable=False),
@@ -37,6 +39,8 @@ runs = Table(
     Column("tokens_seen", Float),  # at last_step
     Column("tags", Text),  # JSON list of short strings, set from the dashboard
     Column("note", Text),  # free text, set from the dashboard
+    Column("achieved_tflops", Float),
+    Column("throughput", Text),
 )
 
 # The hosts whose node agents joined a run (several agents may add themselves at the same moment).

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.run.records import read_events
+from phalanx.run.throughput import run_throughput
 
 FAILURES = ("worker_failed", "hang_detected")  # one event per incident, from the node agent
 # Weights read before training: a checkpoint of the run, or the pretrained checkpoint it starts from.
@@ -79,7 +80,11 @@ def _fault_kind(event: dict) -> str:
 
 
 def run_report(run_dir: Path, metrics: list[dict], wall_start: float, wall_end: float) -> dict[str, Any]:
-    return account(read_events(run_dir), metrics, wall_start, wall_end)
+    """What `phalanx train` adds to the summary at the end of a launch: this launch's goodput, and the
+    run's tokens_per_sec, achieved_tflops and mfu over all its launches (phalanx/run/throughput.py, the
+    one definition the store and the dashboard show too)."""
+    events = read_events(run_dir)
+    return {**account(events, metrics, wall_start, wall_end), **run_throughput(metrics, events)}
 
 
 def _total(events: list[dict], kinds: tuple[str, ...]) -> float:

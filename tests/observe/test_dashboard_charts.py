@@ -127,7 +127,7 @@ def test_smoothing_draws_a_moving_average_over_the_faint_raw_line(client, runs):
     assert smooth["y"] == pytest.approx(expected)
     assert smooth["y"][0] == pytest.approx(raw["y"][0])  # debiased: the first point is not pulled to 0
     assert [t["name"] for t in body["figures"]["lr"]["data"]] == ["Learning rate"]  # a schedule is not smoothed
-    flat = traces(body["figures"]["mfu"])["MFU"]["y"]
+    flat = traces(body["figures"]["mfu"])["MFU per step"]["y"]
     assert set(flat) == {0.3}  # a constant stays exactly constant, not rounding noise
 
 
@@ -477,7 +477,7 @@ def test_migration_0003_gives_old_runs_their_tokens_and_can_be_undone(store_url)
             conn.execute(sa.text("INSERT INTO steps (run_id, step, time, loss) VALUES (1, :s, :s, 2.0)"), {"s": step})
         conn.execute(sa.text("INSERT INTO steps (run_id, step, time, val_loss) VALUES (1, 3, 3.0, 2.5)"))
     store = RunStore(store_url)
-    assert store.schema_version() == "0003"
+    assert store.schema_version() == "0004"
     old, odd = sorted(store.list_runs(), key=lambda r: r["id"])
     assert old["tokens_seen"] == 3 * 256 and odd["tokens_seen"] is None
     assert old["tags"] == [] and old["note"] is None
@@ -490,7 +490,7 @@ def test_migration_0003_gives_old_runs_their_tokens_and_can_be_undone(store_url)
         assert "tags" not in columns and not sa.inspect(conn).has_table("host_telemetry")
         command.upgrade(config, "head")
     engine.dispose()
-    assert RunStore(store_url).schema_version() == "0003"
+    assert RunStore(store_url).schema_version() == "0004"
 
 
 def test_smoothing_keeps_gaps_and_stays_within_the_values():

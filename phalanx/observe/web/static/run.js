@@ -14,11 +14,6 @@
     document.getElementById(id).textContent = value;
   }
 
-  function lastValue(values) {
-    for (let i = (values || []).length - 1; i >= 0; i--) if (values[i] !== null) return values[i];
-    return null;
-  }
-
   function renderHeader(data) {
     const {run, now} = data;
     text("run-name", run.name);
@@ -30,16 +25,18 @@
     const error = document.getElementById("run-error");
     error.textContent = run.error || "";
     error.hidden = !run.error;
-    // Where MFU cannot be known (a CPU has no peak FLOP/s in the table) the tile says so, and shows
-    // the FLOP rate the run did reach instead.
+    // tokens/s, MFU and TFLOP/s are the run's averages over its training time, from the runs row: the
+    // figures of the training summary and `phalanx runs show` (the charts below are per step). Where
+    // MFU cannot be known (a CPU has no peak FLOP/s in the table) the tile says so.
     const mfuNote = data.notes && data.notes.mfu;
-    const tflops = lastValue(data.series.achieved_tflops);
+    const tflops = run.achieved_tflops;
+    const flopRate = tflops !== null && tflops !== undefined ? `${phalanx.number(tflops, 3)} TFLOP/s per device` : "";
     const cards = [
       ["step", phalanx.steps(run)], ["loss", phalanx.number(run.last_loss)],
       ["val loss", phalanx.number(run.last_val_loss)], ["tokens", phalanx.si(run.tokens_seen)],
-      ["tokens/s", phalanx.rate(run.tokens_per_sec)],
+      ["tokens/s", phalanx.rate(run.tokens_per_sec), "run average"],
       ["MFU", mfuNote ? "unknown" : phalanx.percent(run.mfu),
-        mfuNote ? `${mfuNote}${tflops !== null ? `; ${phalanx.number(tflops, 3)} TFLOP/s per device` : ""}` : null],
+        mfuNote ? `${mfuNote}${flopRate ? `; ${flopRate}` : ""}` : flopRate || null],
       ["ETTR", phalanx.percent(run.ettr)], ["restarts", run.restarts],
       ["ranks", run.world_size], ["started", phalanx.localTime(run.started_at)],
       ["duration", phalanx.duration(phalanx.durationSeconds(run, now))],
