@@ -101,9 +101,21 @@ class ModelSection(Section):
     sliding_window: PositiveInt | None = None
 
 
+class SftSection(Section):
+    """How fine-tuning records become examples (data.kind: sft; data/sft.py)."""
+
+    shape: Literal["auto", "messages", "alpaca", "prompt_completion"] = "auto"  # auto: from each file's first record
+    train_on_prompts: bool = False  # train every token, not only the assistant's replies
+    too_long: Literal["refuse", "truncate"] = "refuse"  # an example longer than train.seq_len + 1
+    pack: bool = True  # several examples to a row (attention stays inside each)
+
+
 class DataSection(Section):
     sources: list[str] = Field(default_factory=lambda: ["builtin:shakespeare"], min_length=1)
     OFF_MEANS = {"tokenizer": None}
+
+    kind: Literal["text", "sft"] = "text"  # sft: fine-tuning records (chat messages, alpaca, prompt/completion)
+    sft: SftSection = Field(default_factory=SftSection)
 
     # Path to an existing tokenizer.json; None trains a byte-level BPE on the corpus.
     tokenizer: str | None = None

@@ -34,16 +34,25 @@ class Source:
 
 
 def resolve_sources(sources: list[str], base_dir: Path) -> list[Source]:
+    return resolve_files(sources, base_dir, SUPPORTED_SUFFIXES, _text_kind)
+
+
+def resolve_files(sources: list[str], base_dir: Path, suffixes: tuple[str, ...], kind_of) -> list[Source]:
+    """Every file the entries name (files, directories searched recursively, globs), sorted and
+    de-duplicated; `suffixes` are the file types accepted, `kind_of(suffix)` says how each is read.
+    Fine-tuning records (data/sft.py) resolve through here too, with their own types."""
     if not sources:
         raise PhalanxError("no data sources given: set data.sources to a file, directory, glob or builtin:shakespeare")
     found: set[Source] = set()
     for entry in sources:
-        found.update(_resolve_one(str(entry), Path(base_dir)))
+        found.update(_resolve_one(str(entry), Path(base_dir), suffixes, kind_of))
     return sorted(found)
 
 
-def _resolve_one(entry: str, base_dir: Path) -> list[Source]:
+def _resolve_one(entry: str, base_dir: Path, suffixes: tuple[str, ...], kind_of) -> list[Source]:
     if entry == BUILTIN_SHAKESPEARE:
+        if ".md" not in suffixes:
+            raise PhalanxError(f"data source {entry!r} is plain text; these sources are {'/'.join(suffixes)} files")
         return [Source(p, "play") for p in _shakespeare_files()]
     if entry.startswith("builtin:"):
         raise PhalanxError(f"unknown builtin data source {entry!r}; the only builtin is {BUILTIN_SHAKESPEARE!r}")
@@ -55,19 +64,19 @@ def _resolve_one(entry: str, base_dir: Path) -> list[Source]:
         files = [m for m in matches if m.is_file()]
         if not files:
             raise PhalanxError(f"data source pattern {entry!r} matched no files (looked in {base_dir})")
-        return [_file_source(f, entry) for f in files]
-    if path.is_dir():
+    elif path.is_dir():
         files = [
             f
             for f in path.rglob("*")
-            if f.is_file() and f.suffix.lower() in SUPPORTED_SUFFIXES and not _hidden(f.relative_to(path))
+            if f.is_file() and f.suffix.lower() in suffixes and not _hidden(f.relative_to(path))
         ]
         if not files:
-            raise PhalanxError(f"data source directory {path} holds no {'/'.join(SUPPORTED_SUFFIXES)} files")
-        return [_file_source(f, entry) for f in files]
-    if path.is_file():
-        return [_file_source(path, entry)]
-    raise PhalanxError(f"data source {entry!r} not found (looked for {path})")
+            raise PhalanxError(f"data source directory {path} holds no {'/'.join(suffixes)} files")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise PhalanxError(f"data source {entry!r} not found (looked for {path})")
+    return [_file_source(f, entry, suffixes, kind_of) for f in files]
 
 
 def _hidden(relative: Path) -> bool:
@@ -75,14 +84,18 @@ def _hidden(relative: Path) -> bool:
     return any(part.startswith(".") for part in relative.parts)
 
 
-def _file_source(path: Path, entry: str) -> Source:
+def _file_source(path: Path, entry: str, suffixes: tuple[str, ...], kind_of) -> Source:
     suffix = path.suffix.lower()
-    if suffix not in SUPPORTED_SUFFIXES:
+    if suffix not in suffixes:
         raise PhalanxError(
             f"data source {path} (from {entry!r}) has unsupported type {suffix or '(none)'!r}; "
-            f"use {', '.join(SUPPORTED_SUFFIXES)}"
+            f"use {', '.join(suffixes)}"
         )
-    return Source(path.resolve(), "jsonl" if suffix == ".jsonl" else "text")
+    return Source(path.resolve(), kind_of(suffix))
+
+
+def _text_kind(suffix: str) -> str:
+    return "jsonl" if suffix == ".jsonl" else "text"
 
 
 def _shakespeare_files() -> list[Path]:

@@ -56,8 +56,14 @@ class TokenDataset:
             out[rows] = self.shards[j].windows(local[rows] * self.seq_len, self.seq_len + 1)
         return out
 
+    def micro_batch(self, indices: np.ndarray, pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Windows `indices` as (inputs, targets), each (len(indices), seq_len)."""
+        return _inputs_targets(torch.from_numpy(self.gather(indices)), pin_memory)
 
-Batch = list[tuple[torch.Tensor, torch.Tensor]]
+
+# A micro batch: (inputs, targets), or (inputs, targets, positions) where rows pack several examples
+# (data/sft_batches.py: targets -100 where a token is not trained).
+Batch = list[tuple[torch.Tensor, ...]]
 
 
 def check_batch_sizes(global_batch_size: int, micro_batch_size: int | None, dp_world: int) -> None:
@@ -111,10 +117,12 @@ class BatchLoader:
         """This rank's share of the next global batch, as accum_steps (inputs, targets) micro batches."""
         per_rank = self.global_batch_size // self.dp_world
         start = self.samples_seen + self.dp_rank * per_rank
-        tokens = torch.from_numpy(self.dataset.gather(self._sample_indices(start, start + per_rank)))
+        indices = self._sample_indices(start, start + per_rank)
         self.samples_seen += self.global_batch_size
         m = self.micro_batch_size
-        return [_inputs_targets(tokens[i * m : (i + 1) * m], self.pin_memory) for i in range(self.accum_steps)]
+        return [
+            self.dataset.micro_batch(indices[i * m : (i + 1) * m], self.pin_memory) for i in range(self.accum_steps)
+        ]
 
     def _sample_indices(self, start: int, stop: int) -> np.ndarray:
         n = len(self.dataset)
@@ -171,7 +179,7 @@ def val_batches(
     batches = []
     for k in range(dp_rank, -(-n // micro_batch_size), dp_world):
         indices = np.arange(k * micro_batch_size, min((k + 1) * micro_batch_size, n))
-        batches.append(_inputs_targets(torch.from_numpy(dataset.gather(indices)), pin_memory))
+        batches.append(dataset.micro_batch(indices, pin_memory))
     return batches
 
 

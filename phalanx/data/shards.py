@@ -71,9 +71,14 @@ class ShardWriter:
             if self._count == self.max_tokens:
                 self._finish()
 
-    def close(self) -> list[Path]:
+    def end_shard(self) -> None:
+        """Finish the open shard now, short of its maximum: the next write starts a new one. Lets a caller
+        keep a unit (a fine-tuning example) inside one shard, and several writers split at the same place."""
         if self._file is not None:
             self._finish()
+
+    def close(self) -> list[Path]:
+        self.end_shard()
         return self.paths
 
     def __enter__(self) -> ShardWriter:

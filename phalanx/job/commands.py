@@ -113,6 +113,8 @@ def register(app: typer.Typer) -> None:
             "val_tokens": data.val_tokens,
             "train_shards": len(data.train_shards),
             "val_shards": len(data.val_shards),
+            "kind": data.kind,
+            **({"examples": data.examples} if data.kind == "sft" else {}),
         }
         if json_out:
             print(json.dumps(report))

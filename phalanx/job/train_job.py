@@ -69,8 +69,13 @@ def train_job(config: Config, spec: LaunchSpec, progress: bool = True) -> dict[s
         refuse_if_quarantined(config)  # before the data work: a quarantined node does nothing
         say(f"preparing data for {run.path}")
         data = prepare_run(config, progress=progress and err.is_terminal)  # a spinner: terminals only
+        examples = (
+            f" in {data.examples['train']:,} and {data.examples['val']:,} fine-tuning examples"
+            if data.kind == "sft"
+            else ""
+        )
         say(
-            f"data: {data.train_tokens:,} training and {data.val_tokens:,} validation tokens, "
+            f"data: {data.train_tokens:,} training and {data.val_tokens:,} validation tokens{examples}, "
             f"vocabulary {data.vocab_size:,}"
         )
         done = _already_done(config, run, check_run(config, data))

@@ -169,3 +169,34 @@ class DecodeRows(TokenPass):
         probs_BKGS = torch.softmax(scores_BKGS.float(), dim=-1).to(compute)
         out_BKGE = probs_BKGS @ cache_v[:B].to(compute)
         return out_BKGE.to(q_BHTE.dtype).reshape(B, 1, H * E)
+
+
+class Packed(TokenPass):
+    """Several examples laid end to end in each row (supervised fine-tuning's packing,
+    data/sft_batches.py): positions_BT restart at 0 where an example starts, and a token attends only to
+    the tokens before it in its own example. The mask is spelt out for SDPA (B, 1, T, T), which every
+    backend runs; a packed row so computes what each example alone computes, up to SDPA's summation order."""
+
+    def __init__(self, positions_BT: torch.Tensor):
+        self.positions_BT = positions_BT
+        # Example k of a row is the k-th run of positions from 0: equal ids share an example.
+        example_BT = (positions_BT == 0).cumsum(dim=1)
+        self._same_BTT = example_BT[:, :, None] == example_BT[:, None, :]
+        self._masks: dict[int | None, torch.Tensor] = {}  # per window, made once per pass
+
+    def rope_positions(self, length, max_seq_len, device):
+        check_length(int(self.positions_BT.max()) + 1, max_seq_len)
+        return self.positions_BT[:, None, :]  # (B, 1, T): each row's own angles, broadcast over heads
+
+    def mask_B1TT(self, window: int | None) -> torch.Tensor:
+        if window not in self._masks:
+            q_BT1, k_B1T = self.positions_BT[:, :, None], self.positions_BT[:, None, :]
+            seen = self._same_BTT & (k_B1T <= q_BT1)
+            if window is not None:
+                seen = seen & (k_B1T > q_BT1 - window)
+            self._masks[window] = seen[:, None]
+        return self._masks[window]
+
+    def attend(self, attention, q_BHTE, k_BKTE, v_BKTE):
+        mask = self.mask_B1TT(attention.sliding_window)
+        return heads_last(F.scaled_dot_product_attention(q_BHTE, k_BKTE, v_BKTE, attn_mask=mask, enable_gqa=True))

@@ -12,6 +12,7 @@ from pathlib import Path
 from phalanx.config.loader import dump_yaml
 from phalanx.config.schema import Config
 from phalanx.data.prepare import PreparedData, prepare_data
+from phalanx.data.sft import SftOptions
 from phalanx.errors import PhalanxError
 from phalanx.models.from_config import pretrained_args
 from phalanx.run.layout import RunDir, data_cache_dir
@@ -56,11 +57,21 @@ def prepare_run(config: Config, progress: bool = True) -> PreparedData:
         d.val_fraction,
         d.text_field,
         progress=progress,
+        sft=sft_options(config),
     )
     shutil.copyfile(data.tokenizer_path, run.tokenizer)
     keep_tokenizer_companions(data.tokenizer_path.parent, run)
     run.data_pointer.write_text(json.dumps({"prepared": str(data.dir)}))
     return data
+
+
+def sft_options(config: Config) -> SftOptions | None:
+    """How fine-tuning records become examples (None for text): data.sft, and the longest example a row of
+    train.seq_len + 1 tokens holds."""
+    if config.data.kind != "sft":
+        return None
+    s = config.data.sft
+    return SftOptions(s.shape, s.train_on_prompts, s.too_long, max_tokens=config.train.seq_len + 1)
 
 
 def keep_tokenizer_companions(source: Path, run: RunDir) -> None:

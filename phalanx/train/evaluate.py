@@ -1,4 +1,5 @@
-"""Validation loss over a fixed set of held-out windows, the same set whatever the number of ranks."""
+"""Validation loss over a fixed set of held-out windows (fine-tuning: rows, over their trained tokens), the
+same set whatever the number of ranks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from torch import nn
 
 from phalanx.config.schema import TrainSection
 from phalanx.data.loader import TokenDataset, val_batches
+from phalanx.data.sft_batches import IGNORE
+from phalanx.models.token_pass import Packed
 from phalanx.parallel.context_parallel import ContextParallel, NoContextParallel
 from phalanx.parallel.distributed import DistEnv, all_reduce_sum
 
@@ -31,9 +34,10 @@ class Evaluator:
         token counts stay exact)."""
         # The same windows on any rank count (train.eval_windows), in forwards of a training micro batch.
         micro = train.micro_batch(env.dp_world)
+        # Fine-tuning rows add positions (and targets -100 where not trained: only trained tokens count).
         self.batches = [
-            (split.shard(x.to(env.device)), split.shard(y.to(env.device)))
-            for x, y in val_batches(
+            tuple(split.shard(t.to(env.device)) for t in batch)
+            for batch in val_batches(
                 dataset, train.seq_len, micro, math.ceil(train.eval_windows / micro), env.dp_rank, env.dp_world
             )
         ]
@@ -58,10 +62,10 @@ class Evaluator:
                 if i >= len(self.batches):
                     model(self.dummy, self.split.token_pass())
                     continue
-                inputs, targets = self.batches[i]
-                logits = model(inputs, self.split.token_pass())
+                inputs, targets, *positions = self.batches[i]
+                logits = model(inputs, Packed(positions[0]) if positions else self.split.token_pass())
             sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").double()
-            sums[1] += targets.numel()
+            sums[1] += (targets != IGNORE).sum()
         model.train()
         loss_sum, count = all_reduce_sum(sums).tolist()
         return loss_sum / count

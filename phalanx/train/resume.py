@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.config.schema import Config
-from phalanx.data.loader import TokenDataset
+from phalanx.data.datasets import split_datasets
 from phalanx.data.prepare import PreparedData
 from phalanx.errors import PhalanxError
 from phalanx.models.from_config import model_args
@@ -163,10 +163,23 @@ def explicit_checkpoint(config: Config) -> Path | None:
     return path
 
 
+def check_fine_tuning_layout(parallel) -> None:
+    """Fine-tuning rows carry each token's position in its example, which neither a pipeline stage's
+    inputs nor context parallelism's sequence shards pass on yet: refused in one line."""
+    for key in ("pp", "cp"):
+        if getattr(parallel, key) > 1:
+            raise PhalanxError(
+                f"fine-tuning data (data.kind: sft) does not run with parallel.{key} > 1 yet; use data, "
+                "tensor or fully sharded parallelism (parallel.strategy, parallel.tp)"
+            )
+
+
 def check_run(config: Config, data: PreparedData) -> Path | None:
     """What the ranks would refuse, checked once before they start, so it is one line from the launcher:
     the model's shape, data enough for a sequence, and the shape and safe metadata of the checkpoint it
     would resume (the newest whose trainer state reads; the ranks verify its files), which it returns."""
+    if data.kind == "sft":
+        check_fine_tuning_layout(config.parallel)
     shape = model_args(config.model, data.vocab_size, config.train.seq_len)
     if config.parallel.tp > 1:
         check_tp(shape, config.parallel.tp)
@@ -174,8 +187,7 @@ def check_run(config: Config, data: PreparedData) -> Path | None:
         check_pipeline(shape, config.parallel, config.train.micro_batch_size)
     check_cp(config.parallel.cp, config.train.seq_len, config.train.compile)
     args = dataclasses.asdict(shape)
-    TokenDataset(data.train_shards, config.train.seq_len, "the training split")
-    TokenDataset(data.val_shards, config.train.seq_len, "the validation split")
+    split_datasets(data, config.train.seq_len, config.data.sft.pack)
     for path in reversed(list_checkpoints(RunDir(config.run_dir).checkpoints)):
         try:
             read_trainer_state(path)

@@ -21,13 +21,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from phalanx.data.sft_batches import IGNORE
+from phalanx.models.token_pass import Packed
 from phalanx.parallel.apply import gradient_sync
 from phalanx.parallel.context_parallel import ContextParallel, NoContextParallel
+from phalanx.parallel.distributed import all_reduce_sum
 from phalanx.train.optim import clip_gradients
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (batch, seq_len)
+# (inputs, targets), each (batch, seq_len); fine-tuning adds positions, with targets -100 where a token is
+# not trained (data/sft_batches.py).
+Batch = tuple[torch.Tensor, ...]
 
 
 class StepHooks:
@@ -71,15 +77,18 @@ def train_step(
     pipeline: Any = None,
     pp_group: Any = None,
     hooks: StepHooks | None = None,
+    trained_share: float | None = None,
 ) -> StepOutcome:
     """One step over this rank's micro-batches. split: this rank's share of each sequence and how its
-    forward attends (context parallelism); measure: a context around this rank's own work (the straggler clock)."""
+    forward attends (context parallelism); measure: a context around this rank's own work (the straggler
+    clock). trained_share: for fine-tuning batches, the step's trained tokens over all data-parallel ranks
+    divided by their number (sft_loss_scale)."""
     hooks = hooks or StepHooks()
     if pipeline is not None:
         loss_sum, parts = _pipeline_forward_backward(micro_batches, device, autocast, measure, pipeline, hooks)
     else:
         loss_sum, parts = torch.zeros((), device=device), len(micro_batches)
-        for i, (inputs, targets) in enumerate(micro_batches):
+        for i, (inputs, targets, *positions) in enumerate(micro_batches):
             hooks.phase("forward")
             with gradient_sync(model, enabled=i == len(micro_batches) - 1):
                 with measure():  # a rank's own work: backward may wait on its peers
@@ -87,9 +96,17 @@ def train_step(
                         hooks.first_forward()
                     inputs = split.shard(inputs.to(device, non_blocking=True))
                     targets = split.shard(targets.to(device, non_blocking=True))
+                    if positions:  # fine-tuning's packed rows (context parallelism is refused for them)
+                        token_pass = Packed(positions[0].to(device, non_blocking=True))
+                    else:
+                        token_pass = split.token_pass()
                     with autocast():
-                        logits = model(inputs, split.token_pass())
-                        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                        logits = model(inputs, token_pass)
+                        if trained_share is None:
+                            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                        else:
+                            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+                            loss = loss * (len(micro_batches) / trained_share)
                 if i == 0 and hooks.poison_loss():
                     loss = loss * float("nan")
                 hooks.phase("backward")
@@ -103,6 +120,21 @@ def train_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepOutcome(loss_sum, parts, grad_norm, applied)
+
+
+def sft_loss_scale(micro_batches: list[Batch], device: torch.device) -> float | None:
+    """For fine-tuning batches (targets -100 where not trained), the step's trained tokens summed over the
+    data-parallel ranks, divided by their number; None for text batches. train_step divides each rank's
+    summed loss by it: the gradients the ranks average are then those of the mean over every trained token
+    of the step, however the tokens fall into rows, micro batches and ranks (so packing changes nothing).
+    Collective over every rank: tensor-parallel ranks hold the same rows, so the sum over all ranks over
+    their number is the same quotient (fine-tuning refuses pipeline and context parallelism)."""
+    if len(micro_batches[0]) < 3:
+        return None
+    count = sum(int((y != IGNORE).sum()) for _, y, *_ in micro_batches)
+    total = all_reduce_sum(torch.tensor([float(count)], dtype=torch.float64, device=device))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return max(float(total), 1.0) / world  # a step without trained tokens: a zero loss, not a division by 0
 
 
 def _pipeline_forward_backward(

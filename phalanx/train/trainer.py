@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from phalanx.config.schema import Config
-from phalanx.data.loader import BatchLoader, TokenDataset, check_batch_sizes
+from phalanx.data.datasets import split_datasets
+from phalanx.data.loader import BatchLoader, check_batch_sizes
 from phalanx.errors import PreemptedError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
@@ -40,7 +41,8 @@ from phalanx.parallel.pipeline import Pipeline, check_pipeline, microbatches
 from phalanx.run.jsonl import JsonlSink, MetricsSink, NullSink, json_safe
 from phalanx.run.layout import RunDir
 from phalanx.run.prepare import prepared_data
-from phalanx.run.records import JsonlEventSink
+from phalanx.run.records import JsonlEventSink, read_events, read_metrics
+from phalanx.run.throughput import run_throughput
 from phalanx.safe.heartbeat import Heartbeat
 from phalanx.safe.inject import FaultInjector
 from phalanx.safe.numerics import NumericsGuard
@@ -53,9 +55,9 @@ from phalanx.train.memory_checkpoint import MemorySnapshots, remove_rank
 from phalanx.train.optim import build_optimizer, lr_at
 from phalanx.train.pretrained import load_pretrained
 from phalanx.train.progress import ProgressLine, notice
-from phalanx.train.resume import ResumePoint, resume_point
+from phalanx.train.resume import ResumePoint, check_fine_tuning_layout, resume_point
 from phalanx.train.saving import CheckpointSaves
-from phalanx.train.step import StepHooks, train_step
+from phalanx.train.step import StepHooks, sft_loss_scale, train_step
 
 
 def train(config: Config, attempt: int = 0) -> dict[str, Any]:
@@ -139,8 +141,11 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
         check_batch_sizes(tc.global_batch_size, tc.micro_batch_size, env.dp_world)  # an elastic regroup, too
+        if data.kind == "sft":
+            check_fine_tuning_layout(config.parallel)
+        train_data, val_data = split_datasets(data, tc.seq_len, config.data.sft.pack)
         self.loader = BatchLoader(
-            TokenDataset(data.train_shards, tc.seq_len),
+            train_data,
             tc.seq_len,
             tc.global_batch_size,
             tc.micro_batch(env.dp_world),
@@ -150,7 +155,7 @@ class Trainer:
             pin_memory=env.device.type == "cuda",
         )
         self.evaluator = Evaluator(
-            TokenDataset(data.val_shards, tc.seq_len),
+            val_data,
             tc,
             env,
             self.autocast,
@@ -208,7 +213,6 @@ class Trainer:
             notice("evaluating at step 0", self.env.is_main)
             self._evaluate(0)
         end_step = tc.halt_at_step or tc.max_steps
-        timed_steps, timed_seconds = 0, 0.0
         self._emit("training_started", step=step)
         PREEMPTION.training = True  # from here a SIGTERM stops the ranks at a step boundary, with a save
         with self.progress:
@@ -231,8 +235,6 @@ class Trainer:
                         "data_seconds": record.pop("data_seconds"),
                     }
                 )
-                if step > self.state.get("resumed_step", 0) + 1 or step == end_step:  # skip warm-up/compile
-                    timed_steps, timed_seconds = timed_steps + 1, timed_seconds + step_seconds
                 tps = self.tokens_per_step / step_seconds
                 record.update(
                     tokens_per_sec=tps,
@@ -258,7 +260,7 @@ class Trainer:
         self.heartbeat.beat("done", step)
         self.sink.close()
         self.rank_sink.close()
-        return self._summary(max(step, self.state.get("resumed_step", 0)), timed_steps, timed_seconds)
+        return self._summary(max(step, self.state.get("resumed_step", 0)))
 
     def _step(self, step: int) -> dict[str, Any] | None:
         """One optimizer step (train/step.py); None if the numerics guard rolled the run back instead."""
@@ -271,6 +273,7 @@ class Trainer:
         with self.clock.measure(host=True):
             micro_batches = self.loader.next_batch()
         data_seconds = time.perf_counter() - t_data
+        trained_share = sft_loss_scale(micro_batches, self.env.device)
         hooks = SupervisedStep(self, step)
         train_step(
             self.model,
@@ -285,6 +288,7 @@ class Trainer:
             pipeline=self.pipeline,
             pp_group=self.pp_group,
             hooks=hooks,
+            trained_share=trained_share,
         )
         if hooks.rolled_back:
             return None
@@ -453,8 +457,7 @@ class Trainer:
         per_device = tokens_per_sec / self.env.world_size
         return {"achieved_tflops": achieved_tflops(per_device, self.fpt), "mfu": mfu(per_device, self.fpt, self.peak)}
 
-    def _summary(self, steps_done: int, timed_steps: int, timed_seconds: float) -> dict[str, Any]:
-        tps = self.tokens_per_step * timed_steps / timed_seconds if timed_steps else None
+    def _summary(self, steps_done: int) -> dict[str, Any]:
         summary = {
             "run_dir": str(self.run_dir),
             "steps": steps_done,
@@ -462,8 +465,8 @@ class Trainer:
             "val_loss_start": self.state.get("val_loss_start"),
             "val_loss_final": self.state.get("val_loss"),
             "train_loss_final": self.state.get("train_loss"),
-            "tokens_per_sec": tps,
-            **self._device_rates(tps),
+            # The run's rates over every launch, as every other view shows them (run/throughput.py).
+            **run_throughput(read_metrics(self.run_dir), read_events(self.run_dir)),
             "last_checkpoint": self.saves.last_checkpoint,
             "wall_seconds": time.perf_counter() - self.started,
             **({"final_save_failed": self.saves.final_save_failed} if self.saves.final_save_failed else {}),

@@ -152,7 +152,7 @@ def data_digest(data: PreparedData) -> str:
     except OSError as exc:
         raise PhalanxError(f"cannot read the prepared tokenizer {data.tokenizer_path}: {exc.strerror}") from None
     h.update(json.dumps([data.vocab_size, data.train_tokens, data.val_tokens]).encode())
-    for path in [*data.train_shards, *data.val_shards]:
+    for path in data.shards:  # tokens, and fine-tuning's trained flags and example lengths
         shard = VerifiedShard(path)
         h.update(json.dumps([Path(path).name, len(shard), shard.vocab_size]).encode())
         h.update(shard.checksums.tobytes())
