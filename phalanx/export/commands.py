@@ -16,7 +16,11 @@ def register(app: typer.Typer) -> None:
         run_dir: Path = typer.Argument(
             ..., help="A run directory (its newest checkpoint), a checkpoint directory, an HF or a GGUF export."
         ),
-        fmt: str = typer.Option(..., "--format", help="hf (transformers) or gguf (llama.cpp, Ollama)."),
+        fmt: str = typer.Option(
+            ...,
+            "--format",
+            help="hf (transformers), gguf (llama.cpp, Ollama) or peft (a LoRA run's adapters alone, for peft).",
+        ),
         out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
         dtype: str = typer.Option(
             "f32",
@@ -26,12 +30,14 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
         json_out: bool = JsonOpt,
     ) -> None:
-        """Export a trained model for Hugging Face transformers or for llama.cpp / Ollama.
+        """Export a trained model for Hugging Face transformers or for llama.cpp / Ollama (a LoRA run: the
+        model with its adapters merged), or a LoRA run's adapters alone for peft.
 
         Examples:
         phalanx export runs/demo --format hf --out exports/demo-hf
         phalanx export runs/demo --format gguf --out exports/demo-gguf --dtype f16
         phalanx export runs/demo --format gguf --out exports/demo-q8 --dtype q8_0
+        phalanx export runs/demo-lora --format peft --out exports/demo-adapter
         """
         from phalanx.extras import require
 

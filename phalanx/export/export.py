@@ -1,4 +1,5 @@
-"""`phalanx export`: load a run (or a checkpoint, or an HF export) and write it as HF or GGUF, atomically."""
+"""`phalanx export`: load a run (or a checkpoint, or an HF export) and write it as HF or GGUF, atomically; or
+write a LoRA run's adapters alone in peft's layout (peft_adapter.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from phalanx.errors import PhalanxError
 from phalanx.export.out_dir import atomic_out_dir, check_out_dir
 
-FORMATS = ("hf", "gguf")
+FORMATS = ("hf", "gguf", "peft")
 DTYPES = ("f32", "f16", "bf16")
 # GGUF also writes llama.cpp's block-quantised types (gguf_export.py), largest first.
 QUANTISED = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -29,9 +30,19 @@ def export_run(source: Path, fmt: str, out: Path, dtype: str = "f32", force: boo
         raise PhalanxError(f"--out {out} is inside {source}; write the export elsewhere")
     check_out_dir(out, force)  # before the (slow) load
 
+    if fmt == "peft":  # the adapters alone: the base is neither read nor merged
+        from phalanx.export.hf import TORCH_DTYPES
+        from phalanx.export.peft_adapter import write_peft_adapter
+        from phalanx.run.model_loader import read_adapters
+
+        adapters = read_adapters(source)
+        with atomic_out_dir(out, force) as tmp:
+            write_peft_adapter(adapters, tmp, TORCH_DTYPES[dtype])
+        return sorted(out.iterdir())
+
     from phalanx.run.model_loader import load_model
 
-    loaded = load_model(source)
+    loaded = load_model(source)  # a LoRA run's: its adapters merged into the base
     with atomic_out_dir(out, force) as tmp:
         if fmt == "hf":
             from phalanx.export.hf import write_hf_export

@@ -4,10 +4,15 @@ activation checkpointing and compile per block, then data parallelism around blo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from phalanx.config.schema import LoraSection
 from phalanx.models.decoder import ModelArgs, Transformer
+from phalanx.models.lora import adapter_rule, apply_lora, is_adapter, shard_adapters
 from phalanx.parallel.apply import wrap_blocks, wrap_ddp
 from phalanx.parallel.context_parallel import gradient_mesh
 from phalanx.parallel.float8 import apply_float8, check_float8
@@ -30,16 +35,24 @@ def build_parallel_model(
     float8: bool = False,
     pp_schedule: str = "1f1b",
     initialise: bool = True,
+    lora: LoraSection | None = None,
 ) -> nn.Module:
     """The model this rank trains. Under pipeline parallelism (layout.pp > 1) it is a PipelinedModel:
     this rank's stages (parallel/pipeline.py), split after TP and activation checkpointing, each sharded
     (FSDP) and materialised on its own, under the whole model's parameter names; a tied embedding weight
     is a copy on the first and on the last stage's rank, both starting from the embedding's values.
     initialise=False leaves the parameters unfilled, for a run that loads all of them (a pretrained
-    checkpoint: train/pretrained.py), which saves drawing a whole random model first."""
+    checkpoint: train/pretrained.py), which saves drawing a whole random model first. `lora` with a rank
+    adds adapters to its target layers and freezes the rest (models/lora.py); they are always initialised."""
     with torch.device("meta"):
         model = Transformer(args)
-    rules = model.init_rules() if initialise else None
+    adapters = bool(lora and lora.rank)
+    if adapters:  # before any split: the plans and FSDP see the adapted modules
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
+    rules = model.init_rules() if initialise else {}
+    if adapters:
+        rules |= {name: adapter_rule(name, lora.rank) for name, _ in model.named_parameters() if is_adapter(name)}
+    rules = rules or None
     # A pipeline's last stage holds its own copy of a tied embedding weight (parallel/pipeline.py), which
     # one process lists only as the embedding: it starts as the embedding does (same rule, same generator).
     aliases = {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else {}
@@ -48,6 +61,8 @@ def build_parallel_model(
         apply_float8(model)  # parameter names stay: the init rules and checkpoints still match
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+        if adapters:
+            shard_adapters(model, mesh["tp"])
     wrap_blocks(model, activation_checkpointing=activation_checkpointing, compile=compile)
     if layout.pp > 1:
         pipelined = split_model(model, mesh["pp"].get_local_rank(), layout.pp, pp_schedule, layout.tp)

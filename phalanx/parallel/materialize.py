@@ -39,7 +39,7 @@ def materialize(
 ) -> None:
     """Allocate `model` (parallelised on the meta device) on `device` and initialise it by `rules`
     (Transformer.init_rules() of the unwrapped model; None: allocate only, for a caller that fills every
-    parameter itself, as a pretrained checkpoint does); `init_buffers()` then rebuilds the buffers.
+    parameter itself, as a pretrained checkpoint does; parameters without a rule are left to the caller); `init_buffers()` then rebuilds the buffers.
     `prefix`: what `model`'s parameter names start with beyond the whole model's (a pipeline stage's
     "part."). `aliases`: names to initialise as another parameter, by its rule and from its generator (a
     tied weight's copy held apart from it, on a pipeline's last stage: "output.weight" as the embedding)."""
@@ -55,6 +55,8 @@ def materialize(
     for name, param in model.named_parameters() if rules is not None else ():
         clean = plain_name(name.removeprefix(prefix))
         clean = (aliases or {}).get(clean, clean)
+        if clean not in rules:
+            continue  # filled by the caller: a pretrained checkpoint's weights under its adapters (LoRA)
         if isinstance(param, DTensor):
             full = torch.empty(param.shape, dtype=param.dtype, device=device)
             init_parameter(full, clean, rules[clean], seed)

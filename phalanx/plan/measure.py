@@ -33,6 +33,7 @@ import torch
 from phalanx.config.schema import ModelSection, TrainSection
 from phalanx.models.decoder import Transformer
 from phalanx.models.from_config import model_args
+from phalanx.models.lora import apply_lora, is_adapter
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.device import compute_dtype
@@ -56,6 +57,7 @@ def measure(
     dtype: str = "float32",
     overrides: dict[str, Any] | None = None,
     tp: int = 1,
+    lora_rank: int = 0,
 ) -> dict[str, Any]:
     """Peak live tensor bytes of this rank over `steps` optimizer steps (the second is the steady
     state: optimizer states exist while activations are alive)."""
@@ -85,7 +87,13 @@ def measure(
                         dtype=cdtype,
                     )
                 else:
-                    model = Transformer(args).to(env.device)
+                    model = Transformer(args)
+                    if lora_rank:  # adapters on every block's linears, the rest frozen (as lora.targets: all)
+                        apply_lora(model, lora_rank, 2.0 * lora_rank, 0.0, "all")
+                        for name, param in model.named_parameters():
+                            if is_adapter(name):
+                                torch.nn.init.normal_(param, std=1.0 / lora_rank)
+                    model = model.to(env.device)
                     model = parallelize(
                         model,
                         strategy,
@@ -131,6 +139,7 @@ def measure(
         "model": overrides or {},
         "strategy": strategy,
         "tp": tp,
+        "lora_rank": lora_rank,
         "micro_batch": micro_batch,
         "seq_len": seq_len,
         "accumulation": accumulation,
@@ -225,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         help="override a model shape field of the preset, e.g. vocab_size=512",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the rest shard with FSDP)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear")
     parser.add_argument("--out", type=Path, required=True)
     opts = parser.parse_args(argv)
     overrides = {key: int(value) for key, _, value in (item.partition("=") for item in opts.model)}
@@ -239,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=opts.dtype,
         overrides=overrides,
         tp=opts.tp,
+        lora_rank=opts.lora_rank,
     )
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / f"rank{result['rank']}.json").write_text(json.dumps(result))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs
+from phalanx.models.lora import TARGETS
 
 FP32, BF16, INT64 = 4, 2, 8
 
@@ -64,6 +65,9 @@ class Workload:
     # Micro-batches whose saved activations are alive together on this rank: more than one on a pipeline
     # stage (plan/parallelism.py's schedules); args.n_layers is then the stage's layers.
     in_flight: int = 1
+    # LoRA (models/lora.py): adapters of this rank on lora_targets train, everything else is frozen; 0: off.
+    lora_rank: int = 0
+    lora_targets: str = "all"
 
     def __post_init__(self):
         if self.strategy not in ("none", "ddp", "fsdp"):
@@ -113,20 +117,38 @@ class MemoryEstimate:
         return dataclasses.asdict(self)
 
 
-def param_shapes(args: ModelArgs, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
+def param_shapes(
+    args: ModelArgs, tp: int = 1, lora_rank: int = 0, lora_targets: str = "all"
+) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes by FSDP group, as Transformer(args) registers them: "root" (embedding, final
     norm, untied output) and "block" (each of the n_layers blocks has the same); with tensor
     parallelism, one rank's share (projections split by output or input, embedding and output by
-    vocabulary, norms whole)."""
+    vocabulary, norms whole). "adapters": a block's LoRA matrices (besides "block"), split as
+    models/lora.py's shard_adapters splits them: a column-parallel layer's B with its output, a
+    row-parallel layer's A with its input."""
     d, kv, f = args.dim, args.n_kv_heads * args.head_size // tp, args.ffn_dim // tp
     hd, v = args.n_heads * args.head_size // tp, args.vocab_size // tp
-    block = [(hd, d), (kv, d), (kv, d), (d, hd), (f, d), (f, d), (d, f), (d,), (d,)]
+    # (out, in, column-parallel) of each projection, by its name in the block
+    projections = {
+        "attention.wq": (hd, d, True),
+        "attention.wk": (kv, d, True),
+        "attention.wv": (kv, d, True),
+        "attention.wo": (d, hd, False),
+        "feed_forward.w1": (f, d, True),
+        "feed_forward.w3": (f, d, True),
+        "feed_forward.w2": (d, f, False),
+    }
+    block = [(out, inp) for out, inp, _ in projections.values()] + [(d,), (d,)]
     if args.qkv_bias:  # Qwen2: split with their projections
         block += [(hd,), (kv,), (kv,)]
     if args.qk_norm:  # Qwen3: one head's norm each, whole on every rank
         block += [(args.head_size,), (args.head_size,)]
+    adapters = []
+    for name in TARGETS[lora_targets] if lora_rank else ():
+        out, inp, _ = projections[name]
+        adapters += [(lora_rank, inp), (out, lora_rank)]  # local shapes: the split side is already 1/tp
     root = [(v, d), (d,)] + ([] if args.tie_embeddings else [(v, d)])
-    return {"root": root, "block": block}
+    return {"root": root, "block": block, "adapters": adapters}
 
 
 def estimate(w: Workload) -> MemoryEstimate:
@@ -165,23 +187,35 @@ class _StepWalk:
         self.w, a = w, w.args
         self.live = _Live()
         n = w.world_size if w.sharded else 1
-        shapes = param_shapes(a, w.tp)
+        shapes = param_shapes(a, w.tp, w.lora_rank, w.lora_targets)
+        shapes["block"] = shapes["block"] + shapes["adapters"]  # the adapters live in their block's group
         numel = lambda s: math.prod(s)  # noqa: E731
         padded = lambda s: math.ceil(s[0] / n) * n * math.prod(s[1:])  # FSDP2 pads dim 0 to N rows
         self.root_numel = sum(numel(s) for s in shapes["root"])
         self.block_numel = sum(numel(s) for s in shapes["block"])
         self.root_padded = sum(padded(s) for s in shapes["root"])
         self.block_padded = sum(padded(s) for s in shapes["block"])
-        self.block_matmul = sum(numel(s) for s in shapes["block"] if len(s) == 2)
+        self.block_matmul = sum(numel(s) for s in shapes["block"] if len(s) == 2)  # autocast copies them all
         self.total_numel = self.root_numel + a.n_layers * self.block_numel
         local_numel = (self.root_padded + a.n_layers * self.block_padded) / n
         self.params = FP32 * local_numel
         self.buffers = 2 * FP32 * a.max_seq_len * a.head_size  # RoPE cos and sin tables, never sharded
-        self.grads = FP32 * local_numel
+        # What trains: everything, or under LoRA the adapters alone (the root and the base are frozen:
+        # no gradient, no optimizer state, nothing to reduce).
+        lora = w.lora_rank > 0
+        self.root_trained = 0 if lora else self.root_numel
+        self.root_trained_padded = 0 if lora else self.root_padded
+        self.block_trained = sum(numel(s) for s in shapes["adapters"]) if lora else self.block_numel
+        self.block_trained_padded = sum(padded(s) for s in shapes["adapters"]) if lora else self.block_padded
+        trained_tensors = len(shapes["adapters"]) if lora else len(shapes["block"])
+        local_trained = (self.root_trained_padded + a.n_layers * self.block_trained_padded) / n
+        self.grads = FP32 * local_trained
         # AdamW: exp_avg and exp_avg_sq like each parameter, and one float32 `step` counter per parameter
         # tensor, which fused AdamW keeps on the parameter's device (on GPUs too, unlike the default).
-        self.states = 2 * FP32 * local_numel + FP32 * self._n_param_tensors()
-        self.buckets = FP32 * self.total_numel if w.ddp else 0  # gradient_as_bucket_view=False: a copy
+        n_tensors = (0 if lora else len(shapes["root"])) + a.n_layers * trained_tensors
+        self.states = 2 * FP32 * local_trained + FP32 * n_tensors
+        # gradient_as_bucket_view=False: a copy
+        self.buckets = FP32 * (self.root_trained + a.n_layers * self.block_trained) if w.ddp else 0
         # FSDP's all-gathered weights and their unsharded gradients: bf16 under its mixed precision.
         self.gather = BF16 if w.regime == "fsdp_bf16" else FP32
         self.act = FP32 if w.regime == "float32" else BF16  # matmul outputs
@@ -190,10 +224,6 @@ class _StepWalk:
         bt = w.micro_batch * w.seq_len
         self.bt, self.btv = bt, bt * a.vocab_size
         self.logits = self.act * self.btv  # the trainer's `logits`, referenced until the step returns
-
-    def _n_param_tensors(self) -> int:
-        shapes = param_shapes(self.w.args)
-        return len(shapes["root"]) + self.w.args.n_layers * len(shapes["block"])
 
     # -- what each unit saves for backward ---------------------------------------------------------
     def block_saved(self) -> int:
@@ -208,7 +238,7 @@ class _StepWalk:
         # Each norm's own tensors (its output is the projections'): on CPU without TP its hand-written
         # backward (models/rms_norm.py) keeps the float32 normalised value only; the composite keeps its
         # float32 input (in float32 the block input x or h itself) and the normalised value cast back.
-        norms = 2 * self._norm_saved(seq)
+        norms = 2 * self._norm_saved(seq) + self._adapters_saved()
         if w.regime == "float32":
             # norm out (shared by wq/wk/wv), q, SDPA out (= wo's input, a view), ffn norm out; k, v;
             # w1 out (silu's input), silu out, w3 out, their product.
@@ -216,6 +246,22 @@ class _StepWalk:
         # bf16: each norm output cast once for the projections that share it (wq/wk/wv, w1/w3:
         # models/fused_linear.py), q, SDPA out; k, v; the four SwiGLU tensors.
         return norms + BF16 * (2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
+
+    def _adapters_saved(self) -> int:
+        """What LoRA's adapters add to a block's saved tensors: each A's output (for B's gradient), and
+        under bf16 each adapter's own cast of its input (for A's gradient): a LoraLinear is not fused
+        with its neighbours (models/fused_linear.py), so q, k and v (and w1, w3) no longer share one
+        cast. The frozen base projections save nothing more for themselves."""
+        w, a = self.w, self.w.args
+        if not w.lora_rank:
+            return 0
+        targets = TARGETS[w.lora_targets]
+        saved = self.act * self.bt * w.lora_rank * len(targets)
+        if w.regime != "float32":
+            for group in (("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3")):
+                # each adapter's own cast, where the fused projections saved one between them
+                saved += BF16 * self.bt * a.dim * (len([t for t in targets if t in group]) - 1)
+        return saved
 
     def _norm_saved(self, tokens_x_dim: int) -> int:
         """What one RMSNorm keeps for its backward, besides its rsqrt, for this many elements."""
@@ -338,7 +384,8 @@ class _StepWalk:
         self._prefetch(prefetch, "backward: output projection")
         if w.dtype == "bfloat16":
             live.spike(TEMPORARIES, BF16 * self.btv, "backward: output projection")
-        self._weight_grad(v * d + d, "backward: output projection")  # output weight and final norm
+        if self.root_trained:
+            self._weight_grad(v * d + d, "backward: output projection")  # output weight and final norm
         live.free(TEMPORARIES, FP32 * self.btv)
         live.free(ACTIVATIONS, self.head_saved() - FP32 * self.btv)
         live.free(WEIGHT_COPIES, output_copy)
@@ -357,14 +404,14 @@ class _StepWalk:
             # Inside the block: SwiGLU's backward holds the gradients of w2's input and of both its
             # factors (3 x B T F) while w2's input is already freed, beside the residual gradients.
             live.spike(TEMPORARIES, 2 * self.act * self.bt * f + 2 * self.residual * self.bt * d, where)
-            self._weight_grad(self.block_numel, where)
+            self._weight_grad(self.block_trained, where)
             saved = self.block_saved() + (self.block_input() if w.activation_checkpointing else 0)
             live.free(ACTIVATIONS, saved)
             live.free(WEIGHT_COPIES, per_block_copies)
             if w.sharded:
                 live.free(WEIGHT_COPIES, self.gather * self.block_padded)  # reshard
                 rs_input = self._reduce_scatter(
-                    self.block_numel, self.block_padded, fsdp_grad, rs_input, last, where + " reduce-scatter"
+                    self.block_trained, self.block_trained_padded, fsdp_grad, rs_input, last, where + " reduce-scatter"
                 )
 
         live.free(ACTIVATIONS, self.rope_saved())  # the last block that kept them is done
@@ -372,15 +419,17 @@ class _StepWalk:
         # in the engine's input buffer) out of place: old, new and sum are alive together for a moment.
         where = "backward: embedding"
         emb = (FP32 if not w.sharded else fsdp_grad) * v * d
-        if a.tie_embeddings:
+        if not self.root_trained:  # frozen (LoRA): no gradient
+            pass
+        elif a.tie_embeddings:
             live.spike(TEMPORARIES, 2 * emb, where)
         else:
             self._weight_grad(v * d, where)
         if w.sharded:
             live.free(WEIGHT_COPIES, self.gather * self.root_padded)  # root reshards after backward
             rs_input = self._reduce_scatter(
-                self.root_numel,
-                self.root_padded,
+                self.root_trained,
+                self.root_trained_padded,
                 fsdp_grad,
                 rs_input,
                 last,

@@ -45,6 +45,8 @@ class Job:
     # A run config's own layout (parallel.tp/pp/cp/dp_*) when it sets one beyond plain data parallelism:
     # planned as given, as the flags would be.
     config_layout: dict[str, int] | None = None
+    lora_rank: int = 0  # the config's lora.rank and lora.targets: the adapters alone train
+    lora_targets: str = "all"
 
     def workload(self, device: Device, **changes: Any) -> Workload:
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device.kind == "gpu" else "float32")
@@ -58,6 +60,8 @@ class Job:
             activation_checkpointing=self.activation_checkpointing,
             dtype=dtype,
             device_kind=device.kind,
+            lora_rank=self.lora_rank,
+            lora_targets=self.lora_targets,
         )
         return Workload(**{**fields, **changes})
 
@@ -148,6 +152,8 @@ def _job_from_config(
         pp_schedule=config.parallel.pp_schedule,
         pp_microbatches=config.parallel.pp_microbatches,
         config_layout=_config_layout(config.parallel, gpus),
+        lora_rank=config.lora.rank,
+        lora_targets=config.lora.targets,
     )
 
 

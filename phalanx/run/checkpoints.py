@@ -129,12 +129,27 @@ def newest_valid_checkpoint(root: Path, on_corrupt, verify=verify_checkpoint) ->
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Only the model's weights, into a plain single-device model (generate, export, serve)."""
+    """Only the model's weights, into a plain single-device model (generate, export, serve). A model with
+    LoRA adapters (models/lora.py, the base already in it) takes only its adapters: a LoRA run's
+    checkpoints hold nothing else of the model, and every adapter must be there."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from phalanx.run.safe_dcp import UnsafeCheckpointError, safe_load
+    from phalanx.models.lora import is_adapter
+    from phalanx.run.safe_dcp import METADATA_FILE, UnsafeCheckpointError, read_metadata_file, safe_load
 
     model_sd = model.state_dict()
+    adapters = {name: tensor for name, tensor in model_sd.items() if is_adapter(name)}
+    if adapters:
+        keys = read_metadata_file(path / METADATA_FILE).state_dict_metadata
+        saved = {key.removeprefix("model.") for key in keys if key.startswith("model.")}
+        missing = sorted(name for name in adapters if name not in saved)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise PhalanxError(
+                f"checkpoint {path} lacks the LoRA adapter {missing[0]}{more} that its {TRAINER_STATE}'s lora "
+                "settings imply; it was not written by this LoRA run"
+            )
+        model_sd = adapters
     try:
         with warnings.catch_warnings():  # one process reading alone is the intent here, not a mistake
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -143,7 +158,7 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
         raise
     except (Exception, CheckpointException) as exc:
         raise PhalanxError(f"cannot load checkpoint {path}: {dcp_error_line(exc)}") from exc
-    model.load_state_dict(model_sd)
+    model.load_state_dict(model_sd, strict=not adapters)
 
 
 def dcp_error_line(exc: BaseException) -> str:

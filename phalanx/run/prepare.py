@@ -93,29 +93,39 @@ def keep_tokenizer_companions(source: Path, run: RunDir) -> None:
 _CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.jinja")
 
 
+def pretrained_files(checkpoint: Path) -> list[Path]:
+    """The files of the checkpoint the digest covers (its JSON, safetensors and template files), by name."""
+    return sorted({f for pattern in _CHECKPOINT_FILES for f in Path(checkpoint).glob(pattern) if f.is_file()})
+
+
+def pretrained_digest(checkpoint: Path) -> str:
+    """SHA-256 over the checkpoint's pretrained_files (name, size and content of each, in name order): what
+    RUN_DIR/pretrained.json records, and a LoRA checkpoint's `base` (the model loader checks it again)."""
+    digest = hashlib.sha256()
+    for f in pretrained_files(checkpoint):
+        digest.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        with f.open("rb") as stream:
+            while chunk := stream.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def record_pretrained(checkpoint: Path, run: RunDir) -> Path:
-    """Write the run's pretrained.json: the checkpoint's absolute path and a SHA-256 over its files (name,
-    size and content of its JSON, safetensors and template files, in name order), so a run says exactly
-    which weights it started from. The hash is taken again only when a file's size or time changed since
-    the record (a relaunch does not re-read gigabytes). Returns the checkpoint's absolute path."""
+    """Write the run's pretrained.json: the checkpoint's absolute path and its pretrained_digest, so a run
+    says exactly which weights it started from. The hash is taken again only when a file's size or time
+    changed since the record (a relaunch does not re-read gigabytes). Returns the checkpoint's absolute
+    path."""
     checkpoint = checkpoint.expanduser().absolute()
     if not checkpoint.is_dir():
         raise PhalanxError(f"model.pretrained={checkpoint} is not a directory (a Hugging Face checkpoint)")
-    files = sorted({f for pattern in _CHECKPOINT_FILES for f in checkpoint.glob(pattern) if f.is_file()})
-    stamps = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    stamps = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in pretrained_files(checkpoint)}
     try:
         old = json.loads(run.pretrained.read_text())
         if old.get("path") == str(checkpoint) and old.get("files") == stamps:
             return checkpoint
     except (OSError, ValueError):
         pass
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(f"{f.name}\0{f.stat().st_size}\0".encode())
-        with f.open("rb") as stream:
-            while chunk := stream.read(1 << 24):
-                digest.update(chunk)
-    record = {"path": str(checkpoint), "sha256": digest.hexdigest(), "files": stamps}
+    record = {"path": str(checkpoint), "sha256": pretrained_digest(checkpoint), "files": stamps}
     tmp = run.pretrained.with_name(f".{run.pretrained.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(run.pretrained)

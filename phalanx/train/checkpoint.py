@@ -10,6 +10,7 @@ phalanx/run/checkpoints.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -44,7 +45,10 @@ from phalanx.train.checkpoint_space import disk_full_line, is_disk_full, needed_
 # The optimizer's hyperparameters are stored per parameter name ("param_groups.<fqn>.lr"), not as each
 # rank's list of groups: pipeline stages hold different parameters, and DCP keeps one rank's copy of a
 # non-tensor item, so per-rank group lists would lose the other stages' parameters on a reshard.
-STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Frozen parameters are not saved: a LoRA run's checkpoints hold its adapters and their optimizer state,
+# and its base comes from the pretrained checkpoint it names (models/lora.py). Loading then fills only
+# what was saved (strict=False: DCP itself refuses a checkpoint lacking any of those keys).
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 # Checkpoints written before that kept the groups as a list ("optim.param_groups.0.lr"); they still load,
 # in the layout they were written for (no pipeline).
 _LISTED_GROUPS = re.compile(r"optim\.param_groups\.\d+\.")
@@ -54,7 +58,7 @@ def state_dict_options(path: Path) -> StateDictOptions:
     """How the optimizer state in checkpoint `path` is laid out: flattened by name, or the older lists."""
     keys = read_metadata_file(path / METADATA_FILE).state_dict_metadata
     listed = any(_LISTED_GROUPS.match(key) for key in keys)
-    return StateDictOptions(flatten_optimizer_state_dict=not listed)
+    return dataclasses.replace(STATE_DICT_OPTIONS, flatten_optimizer_state_dict=not listed)
 
 
 @dataclass

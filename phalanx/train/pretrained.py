@@ -19,6 +19,7 @@ from torch import nn
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs
 from phalanx.models.families import hf_names
+from phalanx.models.lora import is_adapter
 from phalanx.run.checkpoints import dcp_error_line
 from phalanx.run.hf_format import check_hf_weights
 
@@ -35,8 +36,9 @@ def load_pretrained(model: nn.Module, args: ModelArgs, checkpoint: Path) -> floa
     wanted = {}
     for name, tensor in ours.items():
         # A tied output head is the embedding's tensor, which loads it (a pipeline's last stage lists its
-        # copy of the weight under the embedding's name too: parallel/pipeline.py).
-        if not (name == "output.weight" and args.tie_embeddings):
+        # copy of the weight under the embedding's name too: parallel/pipeline.py). LoRA's adapters are
+        # the run's own, not the checkpoint's.
+        if not (name == "output.weight" and args.tie_embeddings) and not is_adapter(name):
             wanted[names[name]] = tensor
     try:
         # In place: the tensors are the model's parameters (or their local shards).

@@ -174,12 +174,27 @@ def check_fine_tuning_layout(parallel) -> None:
             )
 
 
+def check_lora(config: Config) -> None:
+    """LoRA adapts a pretrained model, in layouts it is tested under: anything else refused in one line."""
+    if not config.lora.rank:
+        return
+    if config.model.pretrained is None:
+        raise PhalanxError("lora.rank needs model.pretrained: LoRA adapts a pretrained model's weights")
+    if config.parallel.pp > 1:
+        raise PhalanxError(
+            "LoRA (lora.rank) does not run with parallel.pp > 1 yet; use data, tensor or FSDP parallelism"
+        )
+    if config.train.dtype == "float8":
+        raise PhalanxError("LoRA (lora.rank) does not run with train.dtype float8; use bfloat16 or float32")
+
+
 def check_run(config: Config, data: PreparedData) -> Path | None:
     """What the ranks would refuse, checked once before they start, so it is one line from the launcher:
     the model's shape, data enough for a sequence, and the shape and safe metadata of the checkpoint it
     would resume (the newest whose trainer state reads; the ranks verify its files), which it returns."""
     if data.kind == "sft":
         check_fine_tuning_layout(config.parallel)
+    check_lora(config)
     shape = model_args(config.model, data.vocab_size, config.train.seq_len)
     if config.parallel.tp > 1:
         check_tp(shape, config.parallel.tp)

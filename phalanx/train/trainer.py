@@ -24,6 +24,7 @@ import torch
 from phalanx.config.schema import Config
 from phalanx.data.datasets import split_datasets
 from phalanx.data.loader import BatchLoader, check_batch_sizes
+from phalanx.data.tokenizer import load_tokenizer, special_tokens
 from phalanx.errors import PreemptedError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
@@ -56,6 +57,7 @@ from phalanx.train.optim import build_optimizer, lr_at
 from phalanx.train.pretrained import load_pretrained
 from phalanx.train.progress import ProgressLine, notice
 from phalanx.train.resume import ResumePoint, check_fine_tuning_layout, resume_point
+from phalanx.train.sample_replies import SampleReplies
 from phalanx.train.saving import CheckpointSaves
 from phalanx.train.step import StepHooks, sft_loss_scale, train_step
 
@@ -120,6 +122,7 @@ class Trainer:
             pp_schedule=config.parallel.pp_schedule,
             # A pretrained run loads every parameter (its checkpoint, or the run's own when resuming).
             initialise=config.model.pretrained is None,
+            lora=config.lora,
         )
         # Pipeline parallelism: the schedule runs this rank's stages; losses live on the last stage.
         self.pipeline, self.pp_group = None, None
@@ -162,6 +165,13 @@ class Trainer:
             pipeline=self.pipeline,
             split=self.split,
         )
+        self.samples = None
+        if data.kind == "sft":
+            tokenizer = load_tokenizer(run.tokenizer)
+            stops = special_tokens(tokenizer).stop_ids
+            self.samples = SampleReplies(
+                val_data, tokenizer, stops, self.args.max_seq_len, env.device, pad_to=self.layout.tp
+            )
         self.checkpointer = Checkpointer(
             run.checkpoints, config.checkpoint.keep, env, asynchronous=config.checkpoint.async_save
         )
@@ -202,7 +212,9 @@ class Trainer:
         point = self._resume()
         if point.source != "start":
             notice(point.describe(), self.env.is_main)
-        elif self.config.model.pretrained is not None:  # a fresh run of a pretrained model: its weights
+        # A fresh run of a pretrained model starts from its weights; a LoRA run's checkpoints hold only its
+        # adapters, so its frozen base is read again on every attempt.
+        if self.config.model.pretrained is not None and (point.source == "start" or self.config.lora.rank):
             path = Path(self.config.model.pretrained)
             seconds = load_pretrained(self.model, self.args, path)
             notice(f"started from the pretrained checkpoint {path} ({seconds:.1f} s)", self.env.is_main)
@@ -316,6 +328,9 @@ class Trainer:
             notice(f"step 0: val loss {val_loss:.4f}", self.env.is_main)
         else:
             self.progress.log(f"step {step}: train loss {self.state['train_loss']:.4f}, val loss {val_loss:.4f}")
+        if self.samples is not None:  # a fine-tune: what it now answers (train/sample_replies.py)
+            for prompt, reply in self.samples.replies(self.model, self.autocast):
+                self._emit("sample_reply", step=step, prompt=prompt, reply=reply)
         return {"val_loss": val_loss, "eval_seconds": seconds}
 
     def _trainer_state(self) -> dict[str, Any]:
@@ -327,7 +342,16 @@ class Trainer:
             "world_size": self.env.world_size,
             "numerics_recent": list(self.guard.recent),
             **{k: self.state.get(k) for k in ("val_loss_start", "val_loss", "train_loss")},
+            **self._adapters_record(),
         }
+
+    def _adapters_record(self) -> dict[str, Any]:
+        """A LoRA run's checkpoint names what it adapts: its lora settings and the base checkpoint (path and
+        SHA-256, RUN_DIR/pretrained.json), which the model loader reads back under the adapters."""
+        if not self.config.lora.rank:
+            return {}
+        base = json.loads(RunDir(self.run_dir).pretrained.read_text())
+        return {"lora": self.config.lora.model_dump(), "base": {"path": base["path"], "sha256": base["sha256"]}}
 
     def _snapshot(self, step: int, step_seconds: float) -> None:
         """An in-memory snapshot of `step` (memory_checkpoint.py); under `auto`, the first few measure

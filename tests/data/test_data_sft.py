@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -416,3 +417,25 @@ def test_a_checkpoints_template_renders_as_transformers_does_and_ends_turns_its_
         f"{(tmp_path / 'tool' / 'd.jsonl').resolve()}:1: the chat template refused it: tool messages need tool calls"
     )
     assert str(caught.value) == message
+
+
+def test_the_builtin_dialogue_pairs_each_speech_with_the_next_speakers_reply_within_a_scene():
+    from phalanx.data.sft import BUILTIN_DIALOGUE, DIALOGUE_MAX_CHARS, iter_records, play_dialogue, resolve_sft_sources
+
+    play = (
+        "# A Play\n\n## ACT I\n\n### SCENE I. A room.\n\n_Enter A and B_\n\n**ALPHA**  \nGood morrow.\n\n"
+        "**BETA**  \nGood morrow, friend.\n\n_Exit ALPHA_\n\nAnd farewell.\n\n**ALPHA**  \nStay!\n\n"
+        "### SCENE II. A field.\n\n**GAMMA**  \nWho goes there?\n\n**GAMMA**  \nSpeak!\n\n**DELTA**  \n"
+        + "Ay. " * 100
+        + "\n"
+    )
+    # Beta's speech keeps its line after the stage direction; no pair crosses the scene; Gamma speaking
+    # twice is no exchange; Delta's reply is too long.
+    assert list(play_dialogue(play)) == [
+        ("Good morrow.", "Good morrow, friend.\nAnd farewell."),
+        ("Good morrow, friend.\nAnd farewell.", "Stay!"),
+    ]
+    sources = resolve_sft_sources([BUILTIN_DIALOGUE], Path.cwd())
+    assert len(sources) == 38 and {s.kind for s in sources} == {"dialogue"}
+    records = list(iter_records(sources[:1]))
+    assert records and all(len(m["content"]) <= DIALOGUE_MAX_CHARS for r in records for m in r.messages)

@@ -45,13 +45,25 @@ def measured_peak(tmp_path, preset, strategy, micro_batch, seq_len, *extra: str)
     return max(r["peak_tensor_bytes"] for r in ranks)
 
 
-def check(tmp_path, preset, strategy, micro_batch, seq_len, *, dtype="float32", accumulation=1, ac=False):
+def check(tmp_path, preset, strategy, micro_batch, seq_len, *, dtype="float32", accumulation=1, ac=False, lora=0):
     extra = ["--dtype", dtype, "--accumulation", str(accumulation)] + (["--activation-checkpointing"] if ac else [])
-    measured = measured_peak(tmp_path, preset, strategy, micro_batch, seq_len, *extra)
+    measured = measured_peak(tmp_path, preset, strategy, micro_batch, seq_len, *extra, "--lora-rank", str(lora))
     planned = estimate(
-        Workload(MODEL_PRESETS[preset], strategy, 2, micro_batch, seq_len, accumulation, ac, dtype, device_kind="cpu")
+        Workload(
+            MODEL_PRESETS[preset],
+            strategy,
+            2,
+            micro_batch,
+            seq_len,
+            accumulation,
+            ac,
+            dtype,
+            device_kind="cpu",
+            lora_rank=lora,
+        )
     ).peak_bytes
     assert abs(planned - measured) / measured <= TOLERANCE, (planned, measured)
+    return planned, measured
 
 
 # tiny at 4 x 256 tokens is activation-bound (peak in the loss's backward); 125m at 1 x 128 is
@@ -73,3 +85,14 @@ def test_bf16_checkpointed_fsdp_matches(tmp_path):
 
 def test_bf16_autocast_ddp_with_accumulation_matches(tmp_path):
     check(tmp_path, "tiny", "ddp", 2, 256, dtype="bfloat16", accumulation=2)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_plan_matches_a_real_step(tmp_path, strategy):
+    """LoRA (rank 8 on every linear): the base frozen, gradients and AdamW's moments for the adapters only."""
+    planned, measured = check(tmp_path, "125m", strategy, 1, 128, lora=8)
+    full = estimate(Workload(MODEL_PRESETS["125m"], strategy, 2, 1, 128, device_kind="cpu"))
+    assert planned < 0.6 * full.peak_bytes
+    print(
+        f"125m LoRA r8 {strategy}: planned {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB; full {full.peak_bytes / 2**20:.0f} MiB"
+    )

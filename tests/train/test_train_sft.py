@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from phalanx.run.records import read_events
 from phalanx.serve.core.options import DEFAULTS, SamplingOptions
 from phalanx.serve.core.served import load_served_model
 from tests.helpers import losses_by_step, phalanx, train_json
@@ -78,8 +79,15 @@ def test_a_small_model_learns_a_chat_rule_to_90_percent_on_held_out_prompts(tmp_
                 wrong.append((user, reply, expected))
     finally:
         engine.stop()
-    print(f"exact match on held-out prompts: {right}/{len(held_out)}; eval loss {summary.get('final_val_loss')}")
+    print(f"exact match on held-out prompts: {right}/{len(held_out)}; val loss {summary['val_loss_final']:.4f}")
     assert right >= 0.9 * len(held_out), wrong[:5]
+    # At every evaluation the run wrote its replies to the first validation prompts: at the end, right.
+    samples = [e for e in read_events(summary["run_dir"]) if e["kind"] == "sample_reply"]
+    assert {e["step"] for e in samples} == {0, 100, 200, 300, 400}
+    final = [e for e in samples if e["step"] == 400]
+    assert len(final) == 3 and all(e["prompt"].strip().startswith("USER:") for e in final)
+    users = [e["prompt"].split("USER:", 1)[1].split("ASSISTANT:")[0].split() for e in final]
+    assert sum(e["reply"].strip() == " ".join(sorted(u)) for e, u in zip(final, users)) >= 2, final
 
 
 @pytest.mark.parametrize("layout", ["parallel.pp=2", "parallel.cp=2"])

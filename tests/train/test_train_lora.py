@@ -1,0 +1,100 @@
+"""LoRA (models/lora.py, `lora.rank`): the base stays bit-identical and holds no optimizer state, checkpoints
+hold the adapters and name the base, training under FSDP and tensor parallelism matches one process, a
+halted run resumes exactly, and what LoRA cannot run with is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx.config.schema import TrainSection
+from phalanx.models.decoder import ModelArgs, Transformer
+from phalanx.models.lora import apply_lora, is_adapter, merge
+from phalanx.run.layout import RunDir
+from phalanx.run.safe_dcp import read_metadata_file
+from phalanx.train.optim import build_optimizer
+from phalanx.train.step import train_step
+from tests.helpers import losses_by_step, phalanx, train_json
+from tests.train.test_train_pretrained import checkpoint, pretrained_run, tokenizer_file  # noqa: F401 (fixtures)
+
+SMALL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50, max_seq_len=32)
+LORA = ["lora.rank=4", "lora.alpha=8", "train.max_steps=8", "checkpoint.interval=4", "checkpoint.memory_interval=0"]
+
+
+def test_training_moves_only_the_adapters_and_merging_keeps_the_function():
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(**SMALL, qkv_bias=True, family="qwen2"))
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    adapted = apply_lora(model, rank=4, alpha=8.0, dropout=0.0, targets="all")
+    assert len(adapted) == 2 * 7
+    for name, param in model.named_parameters():  # the initialisation the build applies (adapter_rule)
+        if name.endswith("lora_A"):
+            torch.nn.init.normal_(param, std=0.25)
+        elif name.endswith("lora_B"):
+            torch.nn.init.zeros_(param)
+    optimizer = build_optimizer(model, TrainSection(lr=1e-2, warmup_steps=0))
+    tokens = torch.randint(0, 50, (4, 17))
+    for _ in range(3):
+        train_step(
+            model,
+            optimizer,
+            [p for p in model.parameters() if p.requires_grad],
+            [(tokens[:, :-1], tokens[:, 1:])],
+            device=torch.device("cpu"),
+            grad_clip=1.0,
+        )
+    for name, param in model.named_parameters():
+        if is_adapter(name):
+            assert param.requires_grad
+        else:
+            assert not param.requires_grad and torch.equal(param, base[name]), name  # bit-identical
+    held = {id(p) for p in optimizer.state}
+    assert held == {id(p) for n, p in model.named_parameters() if is_adapter(n)}
+    assert any(torch.count_nonzero(p) for n, p in model.named_parameters() if n.endswith("lora_B"))
+    model.eval()
+    with torch.no_grad():
+        adapted_logits = model(tokens)
+        merged_logits = merge(model)(tokens)
+    assert not any(is_adapter(n) for n, _ in model.named_parameters())
+    torch.testing.assert_close(merged_logits, adapted_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_lora_run_checkpoints_its_adapters_names_its_base_and_resumes_exactly(tiny_args, checkpoint):  # noqa: F811
+    args = [*pretrained_run(tiny_args, checkpoint), *LORA]
+    whole = train_json(*args, "run.name=lora-whole")
+    run = RunDir(Path(whole["run_dir"]))
+    step = sorted(run.checkpoints.glob("step_*"))[-1]
+    keys = read_metadata_file(step / ".metadata").state_dict_metadata
+    model_keys = {k for k in keys if k.startswith("model.")}
+    assert model_keys and all(is_adapter(k) for k in model_keys), sorted(model_keys)[:5]
+    trainer = json.loads((step / "trainer.json").read_text())
+    assert trainer["lora"]["rank"] == 4 and trainer["base"]["path"] == str(checkpoint.absolute())
+    assert trainer["base"]["sha256"] == json.loads(run.pretrained.read_text())["sha256"]
+    halted = [*args, "run.name=lora-halted"]
+    assert train_json(*halted, "train.halt_at_step=4")["steps"] == 4
+    resumed = train_json(*halted)
+    assert losses_by_step(resumed["run_dir"]) == losses_by_step(whole["run_dir"])  # the base read again, exactly
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.strategy=fsdp"], ["parallel.tp=2"]])
+def test_lora_under_fsdp_and_tensor_parallelism_matches_one_process(tiny_args, checkpoint, layout):  # noqa: F811
+    args = [*pretrained_run(tiny_args, checkpoint), *LORA]
+    one = train_json(*args, "run.name=lora-one")
+    two = train_json(*args, "run.name=lora-two", *layout, "--nproc", "2")
+    a, b = losses_by_step(one["run_dir"]), losses_by_step(two["run_dir"])
+    assert a.keys() == b.keys()
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), (step, a[step], b[step])
+
+
+def test_lora_without_a_pretrained_model_is_refused_in_one_line(tiny_args):
+    proc = phalanx("train", *tiny_args, "lora.rank=4", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == [
+        "error: lora.rank needs model.pretrained: LoRA adapts a pretrained model's weights"
+    ], proc.stderr
