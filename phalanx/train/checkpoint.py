@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from phalanx.errors import CheckpointLoadError
 from phalanx.parallel.distributed import DistEnv
+from phalanx.parallel.materialize import plain_name
 from phalanx.run.checkpoints import (
     dcp_error_line,
     file_entry,
@@ -52,6 +53,18 @@ STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_
 # Checkpoints written before that kept the groups as a list ("optim.param_groups.0.lr"); they still load,
 # in the layout they were written for (no pipeline).
 _LISTED_GROUPS = re.compile(r"optim\.param_groups\.\d+\.")
+
+
+def without_frozen(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """The model state dict without frozen parameters under any of their names: ignore_frozen_params drops
+    a parameter's first name only, so a tied output head (Llama 3.2's, frozen under LoRA) would be saved
+    under its second. Unchanged when nothing is frozen."""
+    frozen = {
+        plain_name(name).removeprefix("module.")  # DDP's prefix, which the state dict's names lack
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if not param.requires_grad
+    }
+    return {k: v for k, v in model_sd.items() if k not in frozen} if frozen else model_sd
 
 
 def state_dict_options(path: Path) -> StateDictOptions:
@@ -116,6 +129,7 @@ class Checkpointer:
         if (error := _agree(error)) is not None:
             return error
         model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+        model_sd = without_frozen(model, model_sd)
         self._state_bytes = state_dict_bytes(model_sd, optim_sd)
         future = None
         try:
@@ -206,6 +220,7 @@ class Checkpointer:
         state = read_trainer_state(path)
         options = state_dict_options(path)  # also refuses crafted metadata before DCP reads anything
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        model_sd = without_frozen(model, model_sd)
         try:
             safe_load({"model": model_sd, "optim": optim_sd}, path)
         except UnsafeCheckpointError:
