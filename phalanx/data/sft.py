@@ -23,7 +23,6 @@ a 0/1 trained flag per token, and one length per example; SftExamples reads them
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from phalanx.data.chat_template import CHAT_TEMPLATE, read_template, render_chat
-from phalanx.data.corpus import Source, play_to_text, resolve_files, shakespeare_files
+from phalanx.data.corpus import Source, jsonl_values, play_to_text, resolve_files, shakespeare_files
 from phalanx.data.shards import DEFAULT_MAX_TOKENS_PER_SHARD, ShardWriter, VerifiedShard
 from phalanx.data.tokenizer import BOS, EOS, SpecialTokens, special_tokens
 from phalanx.errors import PhalanxError
@@ -175,20 +174,8 @@ def _dialogue_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[str, Any]]:
-    try:
-        f = path.open("rb")  # bytes, so a bad line's UTF-8 error can name its line
-    except OSError as e:
-        raise PhalanxError(f"cannot read data source {path}: {e.strerror}") from None
-    with f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError:
-                raise PhalanxError(f"{path}:{lineno}: not valid UTF-8") from None
-            except json.JSONDecodeError as e:
-                raise PhalanxError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+    for lineno, value in jsonl_values(path):
+        yield f"{path}:{lineno}", value
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:

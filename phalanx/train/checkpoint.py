@@ -46,19 +46,19 @@ from phalanx.train.checkpoint_space import disk_full_line, is_disk_full, needed_
 # The optimizer's hyperparameters are stored per parameter name ("param_groups.<fqn>.lr"), not as each
 # rank's list of groups: pipeline stages hold different parameters, and DCP keeps one rank's copy of a
 # non-tensor item, so per-rank group lists would lose the other stages' parameters on a reshard.
-# Frozen parameters are not saved: a LoRA run's checkpoints hold its adapters and their optimizer state,
-# and its base comes from the pretrained checkpoint it names (models/lora.py). Loading then fills only
-# what was saved (strict=False: DCP itself refuses a checkpoint lacking any of those keys).
-STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+# Frozen parameters are not saved (without_frozen): a LoRA run's checkpoints hold its adapters and their
+# optimizer state, and its base comes from the pretrained checkpoint it names (models/lora.py). Loading
+# then fills only what was saved (strict=False: DCP itself refuses a checkpoint lacking any of those keys).
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
 # Checkpoints written before that kept the groups as a list ("optim.param_groups.0.lr"); they still load,
 # in the layout they were written for (no pipeline).
 _LISTED_GROUPS = re.compile(r"optim\.param_groups\.\d+\.")
 
 
 def without_frozen(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
-    """The model state dict without frozen parameters under any of their names: ignore_frozen_params drops
-    a parameter's first name only, so a tied output head (Llama 3.2's, frozen under LoRA) would be saved
-    under its second. Unchanged when nothing is frozen."""
+    """The model state dict without frozen parameters, under any of their names: torch's own
+    ignore_frozen_params drops a parameter's first name only, so a tied output head (Llama 3.2's, frozen
+    under LoRA) would be saved under its second. Unchanged when nothing is frozen."""
     frozen = {
         plain_name(name).removeprefix("module.")  # DDP's prefix, which the state dict's names lack
         for name, param in model.named_parameters(remove_duplicate=False)

@@ -165,6 +165,12 @@ class Trainer:
             pipeline=self.pipeline,
             split=self.split,
         )
+        # A LoRA run's checkpoints name what they adapt: the lora settings and the base checkpoint (path and
+        # SHA-256, RUN_DIR/pretrained.json), which the model loader reads back under the adapters.
+        self.adapters_record: dict[str, Any] = {}
+        if config.lora.rank:
+            base = json.loads(run.pretrained.read_text())
+            self.adapters_record = {"lora": config.lora.model_dump(), "base": {k: base[k] for k in ("path", "sha256")}}
         self.samples = None
         if data.kind == "sft":
             tokenizer = load_tokenizer(run.tokenizer)
@@ -342,16 +348,8 @@ class Trainer:
             "world_size": self.env.world_size,
             "numerics_recent": list(self.guard.recent),
             **{k: self.state.get(k) for k in ("val_loss_start", "val_loss", "train_loss")},
-            **self._adapters_record(),
+            **self.adapters_record,
         }
-
-    def _adapters_record(self) -> dict[str, Any]:
-        """A LoRA run's checkpoint names what it adapts: its lora settings and the base checkpoint (path and
-        SHA-256, RUN_DIR/pretrained.json), which the model loader reads back under the adapters."""
-        if not self.config.lora.rank:
-            return {}
-        base = json.loads(RunDir(self.run_dir).pretrained.read_text())
-        return {"lora": self.config.lora.model_dump(), "base": {"path": base["path"], "sha256": base["sha256"]}}
 
     def _snapshot(self, step: int, step_seconds: float) -> None:
         """An in-memory snapshot of `step` (memory_checkpoint.py); under `auto`, the first few measure
