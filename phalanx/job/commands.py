@@ -48,11 +48,13 @@ def register(app: typer.Typer) -> None:
         phalanx train my.yaml --nproc 8 --nnodes 2 --node-rank 0 --rdzv-endpoint n0:29500
         """
         from phalanx.config.loader import load_config
+        from phalanx.job.base_model import resolve_pretrained
         from phalanx.job.train_job import train_job
         from phalanx.launch.local import LaunchSpec
 
         path, overrides = split_config_args(args)
         config = load_config(path, overrides)
+        resolve_pretrained(config)
         spec = LaunchSpec(nproc, nnodes, node_rank, rdzv_endpoint, rdzv_conf)
         if launcher not in ("local", "ray"):
             raise PhalanxError(f"--launcher must be local or ray, not {launcher!r}")
@@ -98,11 +100,13 @@ def register(app: typer.Typer) -> None:
         phalanx data prepare my.yaml data.vocab_size=8192
         """
         from phalanx.config.loader import load_config
+        from phalanx.job.base_model import resolve_pretrained
         from phalanx.job.fresh_run_dir import owned_run_dir
         from phalanx.run.prepare import prepare_run
 
         path, overrides = split_config_args(args)
         config = load_config(path, overrides)
+        resolve_pretrained(config)
         with owned_run_dir(config):  # never under a live run: it rewrites the run's config
             data = prepare_run(config, progress=not json_out)
         report = {

@@ -62,6 +62,11 @@ def read_checkpoint_config(path: Path) -> dict:
     try:
         config = json.loads(file.read_text())
     except FileNotFoundError:
+        if (Path(path) / "config.yaml").is_file():  # a phalanx run (its resolved config: run/layout.py)
+            raise PhalanxError(
+                f"{path} is a phalanx run: `phalanx train` converts it into a Hugging Face checkpoint in the new "
+                f"run's base/ when it starts; before that, `phalanx config show {path}/config.yaml` shows its model"
+            ) from None
         raise PhalanxError(f"{path} is not a Hugging Face checkpoint: it has no config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise PhalanxError(f"{file} is not valid JSON") from None

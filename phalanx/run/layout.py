@@ -43,6 +43,7 @@ TOKENIZER_COMPANIONS = (
     "chat_template.jinja",
 )
 PRETRAINED = "pretrained.json"  # the Hugging Face checkpoint a run started from, and its hash
+BASE = "base"  # another run (or a GGUF export) it started from, converted to a Hugging Face checkpoint
 DATA_POINTER = "data.json"
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
@@ -99,6 +100,10 @@ class RunDir:
     @property
     def pretrained(self) -> Path:
         return self.path / PRETRAINED
+
+    @property
+    def base(self) -> Path:
+        return self.path / BASE
 
     @property
     def data_pointer(self) -> Path:

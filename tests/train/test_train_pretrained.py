@@ -131,7 +131,7 @@ def test_a_pretrained_run_halts_and_resumes_exactly(tiny_args, checkpoint):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (["model.pretrained=/nonexistent/checkpoint"], "model.pretrained=/nonexistent/checkpoint is not a directory"),
+        (["model.pretrained=/nonexistent/checkpoint"], "model.pretrained=/nonexistent/checkpoint does not exist"),
         (["model.dim=128"], "model.dim comes from the pretrained checkpoint's config.json"),
         (["data.tokenizer=tokenizer.json"], "remove data.tokenizer"),
     ],
