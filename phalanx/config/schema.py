@@ -181,6 +181,7 @@ class LoraSection(Section):
     alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapters' input
     targets: Literal["attention", "mlp", "all"] = "all"  # which linear layers of every block
+    quantize_base: bool = False  # QLoRA: the adapted layers' frozen weights in 4-bit NF4 (torchao)
 
 
 class ParallelSection(Section):

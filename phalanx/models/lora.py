@@ -18,9 +18,17 @@ merged exports.
 Under tensor parallelism a column-parallel layer's output features are split: its B is split the same way
 and A replicated; a row-parallel layer's input features are split: A is split by columns and B
 replicated (shard_adapters). Each rank then computes its share of the update exactly as of the product.
+
+QLoRA (quantize_base): once the pretrained weights are in, each adapted layer's frozen weight becomes
+torchao's NF4Tensor (4-bit NormalFloat in blocks of 64, about 0.52 bytes a weight with its scales) and the
+layer's base product goes through torchao's linear_nf4, which dequantizes it to the input's dtype. The
+adapters stay in full precision and are the only thing trained or saved; merge() and the model loader
+put them on the pretrained weights themselves, not on their 4-bit copies (as peft's merges do).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +41,7 @@ TARGETS = {
 }
 TARGETS["all"] = TARGETS["attention"] + TARGETS["mlp"]
 ADAPTERS = ("lora_A", "lora_B")
+NF4_BLOCK = 64  # weights per NF4 block, each with its own scale
 
 
 class LoraLinear(nn.Linear):
@@ -44,9 +53,15 @@ class LoraLinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.empty(out_features, rank))
         self.rank, self.alpha, self.dropout = rank, alpha, dropout
         self.scale = alpha / rank
+        self.quantized_linear = None  # torchao's linear_nf4 once the weight is NF4 (quantize_base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
+        if self.quantized_linear is None:
+            base = F.linear(x, self.weight, self.bias)
+        else:
+            base = self.quantized_linear(x, self.weight)
+            if self.bias is not None:
+                base = base + self.bias
         h = F.dropout(x, self.dropout, self.training) if self.dropout else x
         return base + self.scale * F.linear(F.linear(h, self.lora_A), self.lora_B)
 
@@ -85,6 +100,50 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return adapted
+
+
+def import_nf4():
+    """torchao's (to_nf4, linear_nf4), or None where torchao is not installed. Its import warns about each
+    CUDA kernel library a CPU machine cannot load, and torch about an Enum it registers: both dropped."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        try:  # where newer torchao keeps NF4; older releases keep it in torchao.dtypes
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
+        except ImportError:
+            from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
+    except ImportError:
+        return None
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    return to_nf4, linear_nf4
+
+
+@torch.no_grad()
+def quantize_base(model: nn.Module) -> int:
+    """QLoRA: every LoraLinear's frozen weight as an NF4Tensor (the module's docstring), in place; the
+    number of weights quantized. Needs torchao (check import_nf4 first) and a model whose weights are
+    plain tensors: not sharded by FSDP or tensor parallelism."""
+    to_nf4, linear_nf4 = import_nf4()
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLinear) or module.quantized_linear is not None:
+            continue
+        n = module.weight.numel()
+        if n % NF4_BLOCK:
+            continue  # not whole blocks (a real model's layers always are): left in full precision
+        # The blocks' scales are quantized again in groups of 256 (QLoRA's double quantization), or of
+        # fewer where a small layer has fewer than 256 blocks.
+        scaler_block = math.gcd(256, n // NF4_BLOCK)
+        module.weight = nn.Parameter(to_nf4(module.weight.detach(), NF4_BLOCK, scaler_block), requires_grad=False)
+        module.quantized_linear = linear_nf4
+        count += n
+    return count
 
 
 def shard_adapters(model: nn.Module, tp_mesh) -> None:

@@ -114,6 +114,14 @@ def _mismatch(target: dict[str, Any], saved: dict[str, Any], specs: dict[str, An
     return None
 
 
+def _trained_state(model: nn.Module) -> dict[str, Any]:
+    """The model's state dict without frozen parameters, as disk checkpoints leave them out
+    (train/checkpoint.py): a LoRA run's base never changes and is read from the pretrained checkpoint on
+    every attempt, and QLoRA's 4-bit base could not be copied into a slot anyway."""
+    frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
 def _copy_into(target: dict[str, Any], saved: dict[str, Any]) -> None:
     """Copy `saved` into the model's state dict `target` in place (a DTensor: its local shard)."""
     for key, current in target.items():
@@ -206,7 +214,7 @@ class MemorySnapshots:
         self.waited = time.perf_counter() - t0  # the previous seal still running: the interval is too short
         if self.failed:
             return self.waited
-        model_sd = model.state_dict()
+        model_sd = _trained_state(model)
         optim = {key: box[name] for key, box, name in _optim_entries(optimizer)}
         tensors = {
             **{f"model.{k}": _local(v) for k, v in model_sd.items()},
@@ -445,7 +453,7 @@ class MemorySnapshots:
         """Check every key, shape and placement first (nothing is changed on a mismatch), then copy."""
         if not optimizer.state:  # a fresh optimizer: create its state (zeros) as a disk checkpoint's load does
             get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-        model_sd = model.state_dict()  # detached views of the parameters and buffers: copy_ writes them
+        model_sd = _trained_state(model)  # detached views of the parameters and buffers: copy_ writes them
         entries = {key: (box, name) for key, box, name in _optim_entries(optimizer)}
         optim_sd = {key: box[name] for key, (box, name) in entries.items()}
         error = _mismatch(model_sd, payload["model"], payload["specs"], "model") or _mismatch(

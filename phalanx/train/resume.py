@@ -186,6 +186,25 @@ def check_lora(config: Config) -> None:
         )
     if config.train.dtype == "float8":
         raise PhalanxError("LoRA (lora.rank) does not run with train.dtype float8; use bfloat16 or float32")
+    if config.lora.quantize_base:
+        check_qlora(config)
+
+
+def check_qlora(config: Config) -> None:
+    """QLoRA needs torchao, and weights that are whole on each rank (NF4 is not sharded here)."""
+    from phalanx.models.lora import import_nf4
+
+    parallel = config.parallel
+    if import_nf4() is None:
+        raise PhalanxError(
+            "lora.quantize_base needs torchao's NF4, and torchao is not installed: pip install torchao "
+            "(or train the adapters on the full-precision base: lora.quantize_base=false)"
+        )
+    if parallel.tp > 1 or parallel.strategy == "fsdp" or parallel.dp_shard not in (None, 1):
+        raise PhalanxError(
+            "lora.quantize_base (QLoRA) runs on one process or with data parallelism (parallel.strategy: "
+            "ddp), not yet with FSDP or tensor parallelism"
+        )
 
 
 def check_run(config: Config, data: PreparedData) -> Path | None:

@@ -28,6 +28,7 @@ from phalanx.data.tokenizer import load_tokenizer, special_tokens
 from phalanx.errors import PreemptedError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
+from phalanx.models.lora import quantize_base
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.context_parallel import context_split
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib
@@ -225,6 +226,9 @@ class Trainer:
             seconds = load_pretrained(self.model, self.args, path)
             notice(f"started from the pretrained checkpoint {path} ({seconds:.1f} s)", self.env.is_main)
             self._emit("pretrained_loaded", seconds=round(seconds, 3), path=str(path))
+            if self.config.lora.quantize_base:  # QLoRA: the frozen weights of the adapted layers to NF4
+                count = quantize_base(self.model)
+                notice(f"QLoRA: {count:,} frozen weights quantized to 4-bit NF4", self.env.is_main)
         step = point.step
         self.progress = ProgressLine(tc.max_steps, step, enabled=self.env.is_main)
         if step == 0:

@@ -1,10 +1,14 @@
 """LoRA (models/lora.py, `lora.rank`): the base stays bit-identical and holds no optimizer state, checkpoints
 hold the adapters and name the base, training under FSDP and tensor parallelism matches one process, a
-halted run resumes exactly, and what LoRA cannot run with is refused in one line."""
+halted run resumes exactly, and what LoRA cannot run with is refused in one line. QLoRA
+(lora.quantize_base) trains the same adapters on a 4-bit NF4 base."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,3 +108,49 @@ def test_lora_without_a_pretrained_model_is_refused_in_one_line(tiny_args):
     assert proc.returncode == 2 and errors == [
         "error: lora.rank needs model.pretrained: LoRA adapts a pretrained model's weights"
     ], proc.stderr
+
+
+QLORA = [*LORA, "lora.quantize_base=true"]
+
+
+@pytest.mark.slow
+def test_qlora_trains_adapters_on_a_4_bit_base_and_resumes_exactly(tiny_args, checkpoint):  # noqa: F811
+    args = [*pretrained_run(tiny_args, checkpoint), *QLORA]
+    proc = phalanx("train", *args, "run.name=qlora-whole", "--json")
+    assert "frozen weights quantized to 4-bit NF4" in proc.stderr and "W1205" not in proc.stderr
+    whole = json.loads(proc.stdout.strip().splitlines()[-1])
+    full = train_json(*pretrained_run(tiny_args, checkpoint), *LORA, "run.name=lora-full-base")
+    # The same adapters on the 4-bit base: close to the full-precision base's losses, not equal to them.
+    q, f = losses_by_step(whole["run_dir"]), losses_by_step(full["run_dir"])
+    assert q[1] != f[1] and q[1] == pytest.approx(f[1], rel=0.05)
+    assert q[max(q)] < q[1]
+    run = RunDir(Path(whole["run_dir"]))
+    step = sorted(run.checkpoints.glob("step_*"))[-1]
+    keys = read_metadata_file(step / ".metadata").state_dict_metadata
+    assert all(is_adapter(k) for k in keys if k.startswith("model.")), sorted(keys)[:5]
+    halted = [*args, "run.name=qlora-halted"]
+    assert train_json(*halted, "train.halt_at_step=4")["steps"] == 4
+    resumed = train_json(*halted)
+    assert losses_by_step(resumed["run_dir"]) == q  # the base read and quantized again, exactly
+
+    # Served, the adapters go onto the pretrained weights themselves (the model loader merges them).
+    from phalanx.run.model_loader import load_model
+
+    assert not any(is_adapter(n) for n in load_model(run.path).model.state_dict())
+
+
+def test_qlora_is_refused_in_one_line_where_it_cannot_run(tiny_args, checkpoint, tmp_path):  # noqa: F811
+    args = [*pretrained_run(tiny_args, checkpoint), *QLORA]
+    proc = phalanx("train", *args, "parallel.tp=2", "--nproc", "2", check=False)
+    assert proc.returncode == 2 and "error: lora.quantize_base (QLoRA) runs on one process or with data" in proc.stderr
+    # Where torchao is not installed (here: hidden behind a package of that name that fails to import).
+    hidden = tmp_path / "hide" / "torchao"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('torchao is hidden from this test')\n")
+    env = {**os.environ, "PYTHONPATH": f"{hidden.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "phalanx", "train", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert errors[0].startswith("error: lora.quantize_base needs torchao's NF4, and torchao is not installed")
