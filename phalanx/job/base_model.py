@@ -20,8 +20,8 @@ from pathlib import Path
 from phalanx.config.schema import Config
 from phalanx.console import say
 from phalanx.errors import PhalanxError
-from phalanx.run.hf_format import is_hf_export
 from phalanx.run.gguf_format import gguf_file
+from phalanx.run.hf_format import is_hf_export
 from phalanx.run.layout import RunDir, is_checkpoint_dir
 
 SOURCE_RECORD = "phalanx_source.json"  # in base/: what it was converted from
