@@ -114,7 +114,7 @@ QLORA = [*LORA, "lora.quantize_base=true"]
 
 
 @pytest.mark.slow
-def test_qlora_trains_adapters_on_a_4_bit_base_and_resumes_exactly(tiny_args, checkpoint):  # noqa: F811
+def test_qlora_trains_adapters_on_a_4_bit_base_resumes_exactly_and_runs_under_ddp(tiny_args, checkpoint):  # noqa: F811
     args = [*pretrained_run(tiny_args, checkpoint), *QLORA]
     proc = phalanx("train", *args, "run.name=qlora-whole", "--json")
     assert "frozen weights quantized to 4-bit NF4" in proc.stderr and "W1205" not in proc.stderr
@@ -132,6 +132,8 @@ def test_qlora_trains_adapters_on_a_4_bit_base_and_resumes_exactly(tiny_args, ch
     assert train_json(*halted, "train.halt_at_step=4")["steps"] == 4
     resumed = train_json(*halted)
     assert losses_by_step(resumed["run_dir"]) == q  # the base read and quantized again, exactly
+    ddp = losses_by_step(train_json(*args, "run.name=qlora-ddp", "--nproc", "2")["run_dir"])
+    assert ddp.keys() == q.keys() and all(ddp[s] == pytest.approx(q[s], rel=1e-5) for s in q), (ddp, q)
 
     # Served, the adapters go onto the pretrained weights themselves (the model loader merges them).
     from phalanx.run.model_loader import load_model
