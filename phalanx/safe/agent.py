@@ -49,7 +49,7 @@ from phalanx.errors import (
 )
 from phalanx.run.layout import RunDir
 from phalanx.run.records import EventSink
-from phalanx.safe.heartbeat import HeartbeatBoard
+from phalanx.safe.heartbeat import AGENT_STALE_SECONDS, HeartbeatBoard
 from phalanx.safe.out_of_memory import allocation_failure, read_error_file
 from phalanx.safe.stacks import innermost_frame, take_stacks
 from phalanx.safe.watchdog import HangDetector, Stall, culprit
@@ -94,6 +94,8 @@ class PhalanxAgent(LocalElasticAgent):
         self._sigterm_pending = False
         self._stopped_ranks: set[int] = set()  # local ranks the agent killed after a peer failed
         self._home = _identity(RunDir(run_dir))  # what "the run directory" is; see _check_home
+        self._last_tick: float | None = None  # the previous monitoring tick (monotonic)
+        self._silent_for = 0.0  # how long before this tick the agent did not run (frozen, starved)
 
     # -- stopping -----------------------------------------------------------------------------------
     def _invoke_run(self, role):
@@ -214,6 +216,7 @@ class PhalanxAgent(LocalElasticAgent):
         if self.board is not None:
             self.board.clear()
         self.detector.reset(time.monotonic())
+        self._last_tick = None
         self.attempt = self.safe.max_restarts - self._remaining_restarts
         self.events.emit("attempt_started", attempt=self.attempt)
         super()._initialize_workers(worker_group)
@@ -225,7 +228,9 @@ class PhalanxAgent(LocalElasticAgent):
             self.events.emit("restart", attempt=self.attempt + 1, reason=self.last_failure)
             self._check_node = self.before_restart is not None
             step = self.newest_checkpoint_step()
-            start = f"step {step}" if step is not None else "step 0 (no checkpoint yet)"
+            # An estimate from the newest files, which the ranks verify as they load them: a torn snapshot
+            # or a corrupt checkpoint sends them to an older one (each with its event and a warning line).
+            start = f"step {step} if sound" if step is not None else "step 0 (no checkpoint yet)"
             self._notice = (
                 f"{self._failure_line}; restarting from {start}, restart {self.attempt + 1} of {self.safe.max_restarts}"
             )
@@ -237,6 +242,9 @@ class PhalanxAgent(LocalElasticAgent):
 
     # -- monitoring -------------------------------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        now = time.monotonic()
+        self._silent_for = now - self._last_tick if self._last_tick is not None else 0.0
+        self._last_tick = now
         if self._sigterm_pending:
             self._sigterm_pending = False
             raise SignalException(f"Process {os.getpid()} got signal: SIGTERM", sigval=signal.SIGTERM)
@@ -322,6 +330,7 @@ class PhalanxAgent(LocalElasticAgent):
             self._on_out_of_memory(cause, ranks, failed[cause["rank"]][0])
             return
         self._previous_oom_step = NO_OUT_OF_MEMORY
+        reason, why = self._cause_outside_the_ranks()
         self.events.emit(
             "worker_failed",
             rank=cause["rank"],
@@ -331,6 +340,7 @@ class PhalanxAgent(LocalElasticAgent):
             phase=cause["phase"],
             stalled_for=cause["stalled_for"],
             ranks=ranks,
+            **({"reason": reason} if reason else {}),
         )
         self.last_failure = f"rank {cause['rank']} exited with code {cause['exitcode']}" + (
             f" at step {cause['step']} ({cause['phase']})" if cause["step"] is not None else ""
@@ -343,6 +353,27 @@ class PhalanxAgent(LocalElasticAgent):
         self._failure_line = f"rank {cause['rank']} exited {how}" + (
             f" at step {cause['step']}" if cause["step"] is not None else ""
         )
+        if why:  # what failed first; the ranks' exits follow from it
+            self.last_failure = f"{why} ({self.last_failure})"
+            self._failure_line = f"{why} ({self._failure_line})"
+
+    def _cause_outside_the_ranks(self) -> tuple[str | None, str | None]:
+        """(reason, what happened) when the ranks failed because something around them did: this agent
+        was frozen past the ranks' patience with it (they stop rather than train unsupervised:
+        rank_guard.py), or the fork server of warm-started ranks died (they die with it). (None, None)
+        when the failure is the ranks' own."""
+        if self._silent_for >= AGENT_STALE_SECONDS:
+            return "agent_frozen", (
+                f"this node agent did not run for {self._silent_for:.0f} s (stopped, or starved of CPU), so "
+                "its ranks stopped rather than train unsupervised"
+            )
+        server = _dead_fork_server() if self._start_method == "forkserver" else None
+        if server is not None:
+            return (
+                "fork_server_died",
+                f"the fork server that starts this node's ranks (pid {server}) died, and its ranks with it",
+            )
+        return None, None
 
     def _on_out_of_memory(self, cause: dict, ranks: list[dict], local_rank: int) -> None:
         """Name the rank, the step and the allocation that failed (the rank recorded the allocator's message
@@ -457,6 +488,21 @@ def rank_exit_codes(pcontext) -> dict[int, int | None]:
         return {rank: handler.proc.poll() for rank, handler in pcontext.subprocess_handlers.items()}
     processes = pcontext._pc.processes if pcontext._pc is not None else []  # torch keeps them private
     return {rank: process.exitcode for rank, process in enumerate(processes)}
+
+
+def _dead_fork_server() -> int | None:
+    """The pid of this process's fork server (multiprocessing's, for warm-started ranks) if it has died,
+    else None. WNOWAIT leaves it to multiprocessing to reap: its next start of a rank checks the server the
+    same way, reaps it and starts a fresh one."""
+    import multiprocessing.forkserver
+
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    if pid is None:
+        return None
+    try:
+        return pid if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None else None
+    except ChildProcessError:  # already reaped
+        return pid
 
 
 def _is_signal(exitcode: int) -> bool:

@@ -72,10 +72,15 @@ def account(events: list[dict], metrics: list[dict], wall_start: float, wall_end
     }
 
 
+# Failures of ranks that are not crashes of their code, by the worker_failed event's reason (safe/agent.py).
+FAILURE_REASONS = ("out_of_memory", "agent_frozen", "fork_server_died")
+
+
 def _fault_kind(event: dict) -> str:
-    """A failure's kind as the summary counts it: a rank out of memory is not a crash of the code."""
-    if event["kind"] == "worker_failed" and event.get("reason") == "out_of_memory":
-        return "out_of_memory"
+    """A failure's kind as the summary counts it: a rank out of memory, or ranks that stopped with their
+    frozen agent or died with their fork server, are not crashes of the code."""
+    if event["kind"] == "worker_failed" and event.get("reason") in FAILURE_REASONS:
+        return event["reason"]
     return FAULT_KINDS[event["kind"]]
 
 

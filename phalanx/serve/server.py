@@ -16,6 +16,7 @@ from phalanx.errors import PhalanxError
 from phalanx.http_auth import check_secret
 from phalanx.http_guard import server_hosts
 from phalanx.listen import bind, is_loopback
+from phalanx.parallel.device import cpu_has_bf16_units
 
 if TYPE_CHECKING:
     from phalanx.serve.core.contract import EngineObserver, ServingEngine
@@ -41,10 +42,11 @@ def pick_device(
     quantize: str = "none",
     serving: bool = False,
 ) -> tuple[torch.device, torch.dtype]:
-    """The trainer's choice (parallel/device.py): the GPU with bf16 if there is one, else CPU in float32.
-    For a server (`serving`), `auto` on a CPU with bf16 matrix units is bfloat16 too: decoding there ran
-    1.4-1.5x float32's tokens/s at 1 to 16 streams (BENCHMARKS.md), and greedy tokens stay the same alone
-    and in a batch (the engine checks its bf16 rows at start). int8 weights compute in bfloat16."""
+    """The GPU with bf16 if there is one, else the CPU in float32. For a server (`serving`), `auto` on a
+    CPU with bf16 matrix units is bfloat16, as training's is: decoding there ran 1.4-1.5x float32's
+    tokens/s at 1 to 16 streams (BENCHMARKS.md), and greedy tokens stay the same alone and in a batch
+    (the engine checks its bf16 rows at start); `generate` and a local `chat` keep float32 there.
+    int8 weights compute in bfloat16."""
     from phalanx.parallel.device import compute_dtype
     from phalanx.parallel.device import pick_device as pick_torch_device
 
@@ -55,15 +57,11 @@ def pick_device(
     if quantize not in QUANTIZE:
         raise PhalanxError(f"--quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
     torch_device = pick_torch_device(device)
-    if dtype == "auto" and (quantize == "int8" or (serving and torch_device.type == "cpu" and cpu_has_bf16_units())):
+    if dtype == "auto" and quantize == "int8":
         dtype = "bfloat16"
+    elif dtype == "auto" and torch_device.type == "cpu":
+        dtype = "bfloat16" if serving and cpu_has_bf16_units() else "float32"
     return torch_device, compute_dtype(dtype, torch_device)
-
-
-def cpu_has_bf16_units() -> bool:
-    """AMX tiles or AVX-512-bf16: where oneDNN's bf16 products run well above float32's rate."""
-    checks = (getattr(torch.cpu, "_is_amx_tile_supported", None), getattr(torch.cpu, "_is_avx512_bf16_supported", None))
-    return any(check is not None and check() for check in checks)
 
 
 def build_engine(

@@ -20,7 +20,11 @@ def register(app: typer.Typer) -> None:
         steps: int = typer.Option(10, "--steps", min=1, metavar="N", help="Timed steps (the median is reported)."),
         warmup: int = typer.Option(3, "--warmup", min=0, metavar="N", help="Untimed steps first."),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-        dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32 or bfloat16."),
+        dtype: str = typer.Option(
+            "auto",
+            "--dtype",
+            help="auto (bf16 on GPUs and on CPUs with bf16 matrix units, else fp32), float32 or bfloat16.",
+        ),
         compile: bool = typer.Option(False, "--compile", help="torch.compile each block."),
         activation_checkpointing: bool = typer.Option(
             False, "--activation-checkpointing", help="Recompute each block in backward."

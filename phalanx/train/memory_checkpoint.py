@@ -164,9 +164,15 @@ class MemorySnapshots:
     at the end. `interval` is an int (0: off) or "auto"."""
 
     def __init__(
-        self, run_dir: Path, env: DistEnv, layout: dict[str, Any], interval: int | str, say: Callable[[str], None]
+        self,
+        run_dir: Path,
+        env: DistEnv,
+        layout: dict[str, Any],
+        interval: int | str,
+        say: Callable[[str], None],
+        emit: Callable[..., None] = lambda kind, **details: None,
     ):
-        self.env, self.say = env, say
+        self.env, self.say, self.emit = env, say, emit  # emit(kind, **details): an event of the run
         self.record = {"world_size": env.world_size, "layout": layout}
         self.dir = launch_dir(run_dir, owner_pid()) / f"rank_{env.rank}"
         self.fixed = None if interval == "auto" else int(interval)
@@ -420,8 +426,9 @@ class MemorySnapshots:
                     raise RuntimeError(
                         f"in-memory snapshot of step {step} could not be applied: {next(e for e in errors if e)}"
                     )
+            reasons = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+            self.emit("snapshot_unusable", step=step, reason=reasons)
             if self.env.is_main:
-                reasons = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
                 self.say(f"warning: in-memory snapshot of step {step} is unusable ({reasons}); trying an older one")
         return None
 

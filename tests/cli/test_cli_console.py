@@ -81,7 +81,7 @@ def test_a_restart_is_one_phalanx_line_and_torch_stays_quiet(tiny_args, tmp_path
         "safe.inject=[{fault: kill, rank: 1, step: 5}]",
         "checkpoint.memory_interval=0",
     )  # a restart from the disk checkpoint of step 4
-    assert "rank 1 exited (SIGKILL) at step 5; restarting from step 4, restart 1 of 3" in text, text
+    assert "rank 1 exited (SIGKILL) at step 5; restarting from step 4 if sound, restart 1 of 3" in text, text
     assert f"resuming from step 4 (checkpoint {tiny_args[-2].split('=', 1)[1]}/{run_name(tiny_args)}" in text
     assert "starting 2 ranks (ddp): " in text
     assert not TORCH_LOG_LINE.search(text) and "FutureWarning" not in text and "closing signal" not in text, text

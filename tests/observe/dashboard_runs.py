@@ -21,7 +21,7 @@ def config(name: str, lr: float = 3e-4, devices: str = "auto") -> dict:
     return {
         "run": {"name": name, "dir": "/runs"},
         "model": {"preset": "tiny", "dim": 64},
-        "train": {"max_steps": 40, "lr": lr, "global_batch_size": 8, "seq_len": 32},
+        "train": {"max_steps": 40, "lr": lr, "global_batch_size": 8, "seq_len": 32, "dtype": "float32"},
         "parallel": {"device": devices},
     }
 

@@ -34,6 +34,7 @@ SERVE_RUN = [
     "train.eval_batches=2",
     "checkpoint.interval=4",
     "checkpoint.keep=1",
+    "train.dtype=float32",  # the served weights the same on any CPU (`auto` is bf16 on some)
 ]
 
 

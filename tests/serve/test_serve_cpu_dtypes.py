@@ -18,10 +18,11 @@ from serve_helpers import wait_healthy
 
 from phalanx.models.decoder import KVCache, ModelArgs, Transformer
 from phalanx.models.token_pass import Cached, DecodeRows
+from phalanx.parallel.device import cpu_has_bf16_units
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.engines.int8_weights import Int8WeightLinear, quantize_linear_weights
 from phalanx.serve.engines.torch_engine import Engine
-from phalanx.serve.server import cpu_has_bf16_units, pick_device
+from phalanx.serve.server import pick_device
 from tests.helpers import phalanx
 
 ARGS = ModelArgs(

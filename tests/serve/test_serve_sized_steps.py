@@ -51,7 +51,7 @@ def test_widths_and_spans_are_few_and_cover_the_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_invariant_linear_gives_each_row_the_same_bits_at_any_batch_size(dtype):
-    from phalanx.serve.server import cpu_has_bf16_units
+    from phalanx.parallel.device import cpu_has_bf16_units
 
     if dtype == torch.bfloat16 and not cpu_has_bf16_units():  # oneDNN's reference bf16 path: the engine checks
         pytest.skip("no bf16 units on this CPU: its bf16 rows are not invariant, and the engine checks that at start")

@@ -5,7 +5,7 @@ the in-memory snapshot of the step before, not from disk, with every loss bit-id
 and no snapshot directory is left once the run ends; a NaN loss rolls back to the snapshot of the step
 before it, not to the disk. In one process, with a real model and optimizer
 and real files in /dev/shm: a snapshot restores exactly what it held, a torn file falls back to the
-older snapshot with one line, a snapshot of another layout is ignored with one line.
+older snapshot with one line and an event, a snapshot of another layout is ignored with one line.
 """
 
 from __future__ import annotations
@@ -108,10 +108,12 @@ def snapshots(tmp_path):
     made = []
 
     def make(layout=None):
-        made.append(MemorySnapshots(tmp_path / "run", env, layout or {"tp": 1}, 1, say=lines.append))
+        emit = lambda kind, **details: make.events.append({"kind": kind, **details})  # noqa: E731
+        made.append(MemorySnapshots(tmp_path / "run", env, layout or {"tp": 1}, 1, say=lines.append, emit=emit))
         return made[-1]
 
     lines: list[str] = []
+    make.events = []  # what the run's event log would get
     yield make, lines
     for s in made:
         s.close()
@@ -163,6 +165,8 @@ def test_a_torn_snapshot_falls_back_to_the_older_one_with_one_line(snapshots):
     assert loaded.step == 2
     assert all(torch.equal(a, b) for a, b in zip(kept[2][0], model.parameters()))
     assert len(lines) == 1 and "step 3 is unusable" in lines[0] and "CRC-32" in lines[0]
+    assert [(e["kind"], e["step"]) for e in make.events] == [("snapshot_unusable", 3)]
+    assert "CRC-32" in make.events[0]["reason"]
 
 
 def test_an_unloadable_snapshot_is_skipped_without_a_traceback(snapshots):

@@ -32,6 +32,7 @@ SFT = [
     "train.eval_interval=100",
     "checkpoint.interval=1000",
     "checkpoint.memory_interval=0",
+    "train.dtype=float32",  # layouts compared within 1e-5 (`auto` is bf16 on some CPUs)
 ]
 
 

@@ -138,3 +138,22 @@ def test_activation_checkpointing_and_compile_train_save_and_generate(tiny_args)
     a, b = losses_by_step(plain["run_dir"]), losses_by_step(wrapped["run_dir"])
     assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-4 for s in a)
     assert phalanx("generate", wrapped["run_dir"], "ROMEO:", "--max-new-tokens", "5").stdout.startswith("ROMEO:")
+
+
+def test_auto_dtype_takes_bf16_where_the_cpu_has_bf16_units_and_says_so(tiny_args):
+    import torch
+
+    from phalanx.parallel.device import compute_dtype, cpu_has_bf16_units
+
+    units = cpu_has_bf16_units()
+    assert compute_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if units else torch.float32)
+    auto = phalanx("train", *tiny_args, "train.dtype=auto", "train.max_steps=6", "--json")
+    said = [line for line in auto.stderr.splitlines() if line.startswith("train.dtype auto:")]
+    expected = "bfloat16 autocast (this CPU has bf16 matrix units" if units else "float32 (this CPU has no bf16"
+    assert len(said) == 1 and said[0].startswith(f"train.dtype auto: {expected}"), auto.stderr
+    # The loss falls as in float32: the same 6 steps, the first and last losses within 2% of float32's.
+    pinned = [a.replace("run.name=", "run.name=f32-") for a in tiny_args]
+    f32 = losses_by_step(train_json(*pinned, "train.max_steps=6")["run_dir"])
+    ours = losses_by_step(json.loads(auto.stdout.strip().splitlines()[-1])["run_dir"])
+    assert ours.keys() == f32.keys() and ours[6] < ours[1]
+    assert ours[1] == pytest.approx(f32[1], rel=0.02) and ours[6] == pytest.approx(f32[6], rel=0.02)
