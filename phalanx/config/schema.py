@@ -94,11 +94,18 @@ class ModelSection(Section):
     rope_high_freq_factor: float | None = Field(None, gt=0)
     rope_original_max_seq_len: PositiveInt | None = None
     # What the families add to Llama's decoder (models/decoder.py ModelArgs).
-    family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = None
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] | None = None
     head_dim: PositiveInt | None = None  # per attention head; unset: dim / n_heads
     qkv_bias: bool | None = None
     qk_norm: bool | None = None
     sliding_window: PositiveInt | None = None
+    # A mixture of experts (models/moe.py): 0 experts is a dense model.
+    n_experts: NonNegativeInt | None = None
+    n_experts_per_token: NonNegativeInt | None = None
+    expert_ffn_dim: PositiveInt | None = None
+    norm_topk_prob: bool | None = None
+    n_dense_layers: NonNegativeInt | None = None
+    router_aux_loss_coef: float | None = Field(None, ge=0)
 
 
 class SftSection(Section):

@@ -87,6 +87,10 @@ def check_llama_cpp_computes(args: ModelArgs) -> None:
     - qwen2 sizes attn_q as dim x dim, so its heads must be dim / n_heads wide.
     - Only llama reads rope_freqs (Llama 3.1 scaling); qwen2 and qwen3 fail on it.
     (q/k/v biases load on all three.)"""
+    if args.family not in FAMILY_ARCH:  # the mixtures of experts (models/moe.py)
+        raise PhalanxError(
+            f"GGUF export of family {args.family} (a mixture of experts) is not written yet; use --format hf"
+        )
     arch = FAMILY_ARCH[args.family]
     refusal = None
     if args.sliding_window is not None and args.sliding_window < args.max_seq_len:

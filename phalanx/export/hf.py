@@ -25,7 +25,7 @@ import torch
 from phalanx.errors import PhalanxError
 from phalanx.export.tokenizer_files import hf_generation_config, hf_tokenizer_config, hf_tokenizer_json
 from phalanx.models.decoder import Transformer
-from phalanx.models.families import hf_config, hf_names
+from phalanx.models.families import expert_slice, hf_config, hf_names
 from phalanx.run.hf_format import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -46,7 +46,7 @@ def hf_state_dict(model: Transformer, dtype: torch.dtype = torch.float32) -> dic
     projection is left out when tied: it shares the embeddings' storage, which safetensors refuses, and HF
     re-ties it from the embeddings anyway."""
     state = model.state_dict()
-    return {theirs: _hf_tensor(state[ours], dtype) for ours, theirs in hf_names(model.args).items()}
+    return {theirs: _hf_tensor(expert_slice(state, ours), dtype) for ours, theirs in hf_names(model.args).items()}
 
 
 def _hf_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -78,12 +78,12 @@ def write_weights(model: Transformer, out: Path, dtype: torch.dtype, max_shard_b
 
     state, names = model.state_dict(), hf_names(model.args)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = {theirs: state[ours].numel() * itemsize for ours, theirs in names.items()}
+    sizes = {theirs: expert_slice(state, ours).numel() * itemsize for ours, theirs in names.items()}
     plan = shard_plan(sizes, max_shard_bytes)
     ours = {theirs: name for name, theirs in names.items()}
     files = [WEIGHTS_FILE] if len(plan) == 1 else [shard_file(i, len(plan)) for i in range(len(plan))]
     for file, shard in zip(files, plan):
-        tensors = {name: _hf_tensor(state[ours[name]], dtype) for name in shard}
+        tensors = {name: _hf_tensor(expert_slice(state, ours[name]), dtype) for name in shard}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
     if len(plan) > 1:
         index = {

@@ -22,11 +22,12 @@ from torch import nn
 
 from phalanx.errors import PhalanxError
 from phalanx.models.fused_linear import shared_input_linears
+from phalanx.models.moe import MoE
 from phalanx.models.rms_norm import rms_norm
 from phalanx.models.rope import rope_dtype, rope_frequency_divisors, rope_rotation, rope_tables, rotate
 from phalanx.models.token_pass import Causal, TokenPass
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,15 @@ class ModelArgs:
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before RoPE
     sliding_window: int | None = None  # Mistral: a query sees at most this many keys, itself included
+    # Mixture of experts (models/moe.py; Mixtral, Qwen3-MoE): 0 experts is a dense model. Each MoE block
+    # routes a token to n_experts_per_token experts of expert_ffn_dim (None: ffn_dim) each; the first
+    # n_dense_layers blocks keep the dense feed-forward of ffn_dim.
+    n_experts: int = 0
+    n_experts_per_token: int = 0
+    expert_ffn_dim: int | None = None
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
+    n_dense_layers: int = 0
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in training
 
     def __post_init__(self):
         self.validate()
@@ -63,6 +73,13 @@ class ModelArgs:
     def head_size(self) -> int:
         """Each attention head's dimension: head_dim where set, else dim / n_heads."""
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        return self.expert_ffn_dim if self.expert_ffn_dim is not None else self.ffn_dim
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return self.n_experts > 0 and layer_index >= self.n_dense_layers
 
     def validate(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "head_size"):
@@ -80,6 +97,15 @@ class ModelArgs:
             )
         if self.head_size % 2:
             raise PhalanxError(f"model head_dim must be even for RoPE, got {self.head_size}")
+        if self.n_experts and not 0 < self.n_experts_per_token <= self.n_experts:
+            raise PhalanxError(
+                f"model n_experts_per_token must be between 1 and n_experts ({self.n_experts}), "
+                f"got {self.n_experts_per_token}"
+            )
+        if self.n_experts < 0 or self.n_dense_layers < 0 or self.router_aux_loss_coef < 0 or self.moe_ffn_dim <= 0:
+            raise PhalanxError(
+                "model n_experts, n_dense_layers, expert_ffn_dim and router_aux_loss_coef cannot be negative"
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise PhalanxError(f"model sliding_window must be positive, got {self.sliding_window}")
         if (
@@ -168,7 +194,18 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, layer_index)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.feed_forward = (
+            MoE(
+                args.dim,
+                args.moe_ffn_dim,
+                args.n_experts,
+                args.n_experts_per_token,
+                args.norm_topk_prob,
+                args.router_aux_loss_coef,
+            )
+            if args.is_moe_layer(layer_index)
+            else FeedForward(args.dim, args.ffn_dim)
+        )
 
     def forward(self, x_BTD, rope, token_pass: TokenPass):
         h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), rope, token_pass)
@@ -223,7 +260,7 @@ class Transformer(nn.Module):
                 rules[name] = ("ones", 1.0)
             elif name.endswith(".bias"):
                 rules[name] = ("zeros", 0.0)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w2")):
                 rules[name] = ("normal", residual_std)
             else:
                 rules[name] = ("normal", std)

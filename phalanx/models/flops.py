@@ -3,17 +3,21 @@
 from phalanx.models.decoder import ModelArgs
 
 
-def count_params(args: ModelArgs) -> int:
-    """Exact parameter count of Transformer(args), a tied output weight counted once."""
+def count_params(args: ModelArgs, active: bool = False) -> int:
+    """Exact parameter count of Transformer(args), a tied output weight counted once. active: only what
+    one token's forward uses, in an MoE its n_experts_per_token experts (and the router) of n_experts."""
     d, q_dim, kv_dim = args.dim, args.n_heads * args.head_size, args.n_kv_heads * args.head_size
     attention = 2 * d * q_dim + 2 * d * kv_dim  # wq, wo; wk, wv (q_dim is d unless head_dim is set)
     attention += (q_dim + 2 * kv_dim) * args.qkv_bias  # Qwen2's q, k and v biases
     attention += 2 * args.head_size * args.qk_norm  # Qwen3's q and k norms, one weight each for all heads
-    ffn = 3 * d * args.ffn_dim  # w1, w2, w3
-    block = attention + ffn + 2 * d  # and two RMSNorm weights
+    dense_ffn = 3 * d * args.ffn_dim  # w1, w2, w3
+    experts = args.n_experts_per_token if active else args.n_experts
+    moe_ffn = d * args.n_experts + experts * 3 * d * args.moe_ffn_dim  # the router, and the experts
+    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    blocks = args.n_layers * (attention + 2 * d) + (args.n_layers - n_moe) * dense_ffn + n_moe * moe_ffn
     embedding = args.vocab_size * d
     output = 0 if args.tie_embeddings else args.vocab_size * d
-    return embedding + args.n_layers * block + d + output  # d: the final norm
+    return embedding + blocks + d + output  # d: the final norm
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
@@ -24,10 +28,11 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     projection even when it is tied to that table, since the logits are a real matmul. The second term is
     attention's QK^T and AV products, counted over the full (not causally halved) seq_len x seq_len square
     by convention, and without any recomputation from activation checkpointing. With a sliding window
-    (Mistral) a query has at most `sliding_window` keys, so the square narrows to that band.
+    (Mistral) a query has at most `sliding_window` keys, so the square narrows to that band. In a mixture
+    of experts N is the active parameters: a token passes through its top-k experts only.
     """
     embedding = args.vocab_size * args.dim
-    n_matmul = count_params(args) - embedding + (embedding if args.tie_embeddings else 0)
+    n_matmul = count_params(args, active=True) - embedding + (embedding if args.tie_embeddings else 0)
     keys = seq_len if args.sliding_window is None else min(seq_len, args.sliding_window)
     return 6 * n_matmul + 12 * args.n_layers * args.n_heads * args.head_size * keys
 

@@ -19,4 +19,7 @@ PRESET_NAMES = (
     "qwen3-8b",
     "qwen3-14b",
     "qwen3-32b",
+    "tiny-moe",
+    "mixtral-8x7b",
+    "qwen3-30b-a3b",
 )

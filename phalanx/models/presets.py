@@ -3,6 +3,7 @@ scaling of their Llama 3.1/3.2 versions, at 8K context; 405b is Llama 3.1's, sca
 The versioned names (llama3.2-1b, mistral-7b, qwen3-8b, ...) are the published models' configs exactly,
 family, context and RoPE scaling included, so a pretrained checkpoint of that name loads into them."""
 
+import dataclasses
 import difflib
 
 from phalanx.errors import PhalanxError
@@ -148,6 +149,46 @@ MODEL_PRESETS: dict[str, ModelArgs] = {
     "qwen3-8b": _qwen3(4096, 36, 32, 12288, tie=False),
     "qwen3-14b": _qwen3(5120, 40, 40, 17408, tie=False),
     "qwen3-32b": _qwen3(5120, 64, 64, 25600, tie=False),
+    # Mixtures of experts (models/moe.py). tiny-moe: tiny's attention with 8 experts of 384, 2 per token
+    # (about tiny's active size), for tests and CPU runs.
+    "tiny-moe": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=384,
+        vocab_size=4096,
+        max_seq_len=256,
+        rope_theta=10000.0,
+        tie_embeddings=True,
+        family="mixtral",
+        n_experts=8,
+        n_experts_per_token=2,
+        router_aux_loss_coef=0.01,
+    ),
+    "mixtral-8x7b": ModelArgs(  # Mixtral 8x7B v0.1
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=32000,
+        max_seq_len=32768,
+        rope_theta=1000000.0,
+        family="mixtral",
+        n_experts=8,
+        n_experts_per_token=2,
+        router_aux_loss_coef=0.02,
+    ),
+    "qwen3-30b-a3b": dataclasses.replace(  # Qwen3-30B-A3B: 128 experts of 768, 8 per token
+        _qwen3(2048, 48, 32, 6144, tie=False),
+        n_kv_heads=4,
+        family="qwen3_moe",
+        n_experts=128,
+        n_experts_per_token=8,
+        expert_ffn_dim=768,
+        router_aux_loss_coef=0.001,
+    ),
 }
 
 assert tuple(MODEL_PRESETS) == PRESET_NAMES, "preset_names.py lists the presets' names"

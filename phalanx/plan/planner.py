@@ -93,6 +93,11 @@ def resolve_job(
         )
     else:
         job = _job_from_config(source, gpus, strategy, micro_batch, seq_len, activation_checkpointing, overrides)
+    if job.args.n_experts:  # its memory model counts dense feed-forwards: it would plan another model
+        raise PhalanxError(
+            f"phalanx plan does not model mixtures of experts yet ({job.args.n_experts} experts: their "
+            "memory, all-to-all and expert-parallel layouts); it plans dense models"
+        )
     if job.strategy == "none" and gpus > 1:
         raise PhalanxError(f"strategy none runs one process; use --strategy ddp or fsdp for --gpus {gpus}")
     if job.seq_len > job.args.max_seq_len:

@@ -20,7 +20,7 @@ from phalanx.data.chat_template import read_template
 from phalanx.data.tokenizer import read_specials
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs, Transformer
-from phalanx.models.families import hf_names
+from phalanx.models.families import expert_slice, hf_names
 from phalanx.models.from_config import pretrained_args
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -95,7 +95,7 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     built on the meta device, so the shapes are the model's own)."""
     with torch.device("meta"):
         state = Transformer(args).state_dict()
-    return {theirs: tuple(state[ours].shape) for ours, theirs in hf_names(args).items()}
+    return {theirs: tuple(expert_slice(state, ours).shape) for ours, theirs in hf_names(args).items()}
 
 
 def _more(names: list[str]) -> str:
@@ -190,7 +190,8 @@ def read_hf_model(path: Path) -> Transformer:
             with _open_safetensors(file) as f:
                 for name in names:
                     try:
-                        params[ours[name]].copy_(f.get_tensor(name))  # to float32: exact from f16 and bf16
+                        # To float32: exact from f16 and bf16. An expert's tensor goes into its slice.
+                        expert_slice(params, ours[name]).copy_(f.get_tensor(name))
                     except SafetensorError as e:
                         raise PhalanxError(f"{file}: tensor {name} could not be read: {e}") from None
     return model

@@ -18,8 +18,7 @@ from torch import nn
 
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs
-from phalanx.models.families import hf_names
-from phalanx.models.lora import is_adapter
+from phalanx.models.families import expert_slice, hf_names, state_name
 from phalanx.run.checkpoints import dcp_error_line
 from phalanx.run.hf_format import check_hf_weights
 
@@ -31,15 +30,15 @@ def load_pretrained(model: nn.Module, args: ModelArgs, checkpoint: Path) -> floa
 
     started = time.perf_counter()
     check_hf_weights(checkpoint, args)  # names and shapes from the headers: one line before DCP says more
-    names = hf_names(args)
     ours = get_model_state_dict(model)
     wanted = {}
-    for name, tensor in ours.items():
-        # A tied output head is the embedding's tensor, which loads it (a pipeline's last stage lists its
-        # copy of the weight under the embedding's name too: parallel/pipeline.py). LoRA's adapters are
-        # the run's own, not the checkpoint's.
-        if not (name == "output.weight" and args.tie_embeddings) and not is_adapter(name):
-            wanted[names[name]] = tensor
+    for name, theirs in hf_names(args).items():
+        # What this rank holds (a pipeline stage holds some layers): the tensor, or an MoE expert's slice
+        # of its stacked weights. A tied output head is the embedding's tensor, which loads it (a
+        # pipeline's last stage lists its copy under the embedding's name too: parallel/pipeline.py), so
+        # hf_names leaves it out. LoRA's adapters are the run's own: hf_names does not name them.
+        if state_name(name) in ours:
+            wanted[theirs] = expert_slice(ours, name)
     try:
         # In place: the tensors are the model's parameters (or their local shards).
         dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(checkpoint)))

@@ -32,6 +32,7 @@ from phalanx.config.schema import Config
 from phalanx.data.datasets import split_datasets
 from phalanx.data.prepare import PreparedData
 from phalanx.errors import PhalanxError
+from phalanx.models.decoder import ModelArgs
 from phalanx.models.from_config import model_args
 from phalanx.parallel.context_parallel import check_cp
 from phalanx.parallel.distributed import DistEnv
@@ -190,6 +191,32 @@ def check_lora(config: Config) -> None:
         check_qlora(config)
 
 
+def check_moe(config: Config, shape: ModelArgs) -> None:
+    """A mixture of experts trains on one process or with data parallelism (DDP) so far: expert
+    parallelism, and experts under FSDP, tensor, pipeline or context parallelism, LoRA and compile, are
+    refused in one line until they are built and tested."""
+    if not shape.n_experts:
+        return
+    p = config.parallel
+    not_yet = [
+        what
+        for what, used in (
+            ("parallel.strategy fsdp", p.strategy == "fsdp" or p.dp_shard not in (None, 1)),
+            ("parallel.tp", p.tp > 1),
+            ("parallel.pp", p.pp > 1),
+            ("parallel.cp", p.cp > 1),
+            ("train.compile", config.train.compile),
+            ("lora.rank", config.lora.rank > 0),
+        )
+        if used
+    ]
+    if not_yet:
+        raise PhalanxError(
+            f"a mixture of experts ({shape.n_experts} experts) does not run with {', '.join(not_yet)} yet; "
+            "it trains on one process or with parallel.strategy ddp"
+        )
+
+
 def check_qlora(config: Config) -> None:
     """QLoRA needs torchao, and weights that are whole on each rank (NF4 is not sharded here)."""
     from phalanx.models.lora import import_nf4
@@ -215,6 +242,7 @@ def check_run(config: Config, data: PreparedData) -> Path | None:
         check_fine_tuning_layout(config.parallel)
     check_lora(config)
     shape = model_args(config.model, data.vocab_size, config.train.seq_len)
+    check_moe(config, shape)
     if config.parallel.tp > 1:
         check_tp(shape, config.parallel.tp)
     if config.parallel.pp > 1:  # a set micro-batch size does not depend on the ranks: checked here too

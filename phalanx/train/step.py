@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from phalanx.data.sft_batches import IGNORE
+from phalanx.models.moe import moe_aux_loss
 from phalanx.models.token_pass import Packed
 from phalanx.parallel.apply import gradient_sync
 from phalanx.parallel.context_parallel import ContextParallel, NoContextParallel
@@ -110,7 +111,8 @@ def train_step(
                 if i == 0 and hooks.poison_loss():
                     loss = loss * float("nan")
                 hooks.phase("backward")
-                (loss / len(micro_batches)).backward()
+                balance = moe_aux_loss(model)  # a mixture of experts' load balancing (models/moe.py)
+                ((loss if balance is None else loss + balance) / len(micro_batches)).backward()
             loss_sum += loss.detach()
     hooks.phase("collective")
     grad_norm = clip_gradients(params, grad_clip, pp_group=pp_group)

@@ -109,6 +109,10 @@ class Trainer:
         if self.layout.pp > 1:  # before the build: a refusal is one line, not a traceback from inside it
             check_pipeline(self.args, config.parallel, tc.micro_batch(env.dp_world))
         dtype = compute_dtype(tc.dtype, env.device)
+        if tc.dtype == "auto" and env.device.type == "cpu":  # say what `auto` chose where it depends on the CPU
+            why = "this CPU has bf16 matrix units" if dtype == torch.bfloat16 else "this CPU has no bf16 matrix units"
+            name = "bfloat16 autocast" if dtype == torch.bfloat16 else "float32"
+            notice(f"train.dtype auto: {name} ({why}; train.dtype=float32 or bfloat16 sets it)", env.is_main)
         # Built on the meta device and materialised shard by shard: the same weights under any layout.
         self.model = build_parallel_model(
             self.args,
@@ -184,7 +188,12 @@ class Trainer:
         )
         self.guard = NumericsGuard(self.safe.spike_zscore, self.safe.spike_window)
         self.snapshots = MemorySnapshots(
-            run.path, env, dataclasses.asdict(self.layout), config.checkpoint.memory_interval, say=self._say
+            run.path,
+            env,
+            dataclasses.asdict(self.layout),
+            config.checkpoint.memory_interval,
+            say=self._say,
+            emit=self._emit,
         )
         self.clock = ComputeClock(env.device)
         self.stragglers = StragglerDetector(

@@ -139,7 +139,14 @@ def test_unknown_architecture_lists_the_supported_ones():
     with pytest.raises(PhalanxError) as err:
         args_from_hf_config(config_of("llama", model_type="phi3", architectures=["Phi3ForCausalLM"]), WHERE)
     assert all(name in str(err.value) for name in SUPPORTED_ARCHITECTURES)
-    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    assert SUPPORTED_ARCHITECTURES == (
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+    )
 
 
 @pytest.mark.parametrize(

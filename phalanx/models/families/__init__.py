@@ -1,6 +1,7 @@
-"""The Hugging Face architectures phalanx reads and writes: Llama, Mistral, Qwen2 and Qwen3.
+"""The Hugging Face architectures phalanx reads and writes: Llama, Mistral, Qwen2 and Qwen3, and the
+mixtures of experts Mixtral and Qwen3-MoE.
 
-All four are Llama's decoder (models/decoder.py) with a few additions that ModelArgs switches on. Each
+All are Llama's decoder (models/decoder.py) with a few additions that ModelArgs switches on. Each
 family's module says how its config.json maps to ModelArgs and back and which tensors it adds to the
 shared ones (common.py). This module is the one entry point: from a config to ModelArgs, from ModelArgs
 to a config, and the tensor names between phalanx's state dict and an HF file.
@@ -14,10 +15,13 @@ import torch
 
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs
-from phalanx.models.families import common, llama, mistral, qwen2, qwen3
+from phalanx.models.families import common, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from phalanx.models.families.common import expert_slice, state_name
+
+__all__ = ["args_from_hf_config", "expert_slice", "hf_config", "hf_names", "state_name"]
 
 # model_type (phalanx's ModelArgs.family) -> its module
-_MODULES = {module.MODEL_TYPE: module for module in (llama, mistral, qwen2, qwen3)}
+_MODULES = {module.MODEL_TYPE: module for module in (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe)}
 SUPPORTED_ARCHITECTURES = tuple(module.ARCHITECTURE for module in _MODULES.values())
 
 
@@ -63,6 +67,8 @@ def args_from_hf_config(config: dict, where: Path) -> ModelArgs:
 def _family_of_args(args: ModelArgs):
     module = _MODULES[args.family]
     found = module.inexpressible(args)
+    if args.n_experts and not hasattr(module, "MOE_NAMES"):
+        found.append(f"{args.n_experts} experts (families mixtral and qwen3_moe have them)")
     if found:
         raise PhalanxError(
             f"a model of family {args.family!r} cannot be written as {module.ARCHITECTURE} with "
@@ -79,6 +85,8 @@ def hf_config(args: ModelArgs, bos_id: int, eos_id: int, dtype: torch.dtype) -> 
 
 
 def hf_names(args: ModelArgs) -> dict[str, str]:
-    """phalanx state-dict name -> HF tensor name, for every tensor the HF file holds (output.weight left
-    out when tied to the embedding)."""
-    return common.tensor_names(args, _family_of_args(args).LAYER_NAMES)
+    """phalanx name -> HF tensor name, for every tensor the HF file holds (output.weight left out when
+    tied to the embedding). An MoE expert's projection is named with its index, `layers.0.feed_forward.w1[3]`:
+    expert_slice(state, name) is the tensor any of these names names, state_name(name) its state-dict key."""
+    module = _family_of_args(args)
+    return common.tensor_names(args, module.LAYER_NAMES, getattr(module, "MOE_NAMES", None))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from phalanx.models.decoder import ModelArgs
+from phalanx.models.moe import EXPERT_WEIGHTS
 
 CONFIG_FILE = "config.json"
 
@@ -40,17 +41,45 @@ class ConfigValueError(ValueError):
     """A config value of the wrong type; the families' entry point turns it into one PhalanxError line."""
 
 
-def tensor_names(args: ModelArgs, family_layer_names: dict[str, str]) -> dict[str, str]:
+def tensor_names(
+    args: ModelArgs, family_layer_names: dict[str, str], moe_names: dict[str, str] | None = None
+) -> dict[str, str]:
     """phalanx name -> HF name for every tensor an HF file of this model holds: the shared ones and the
-    family's own per layer; the output projection is left out when tied (HF re-ties it on load)."""
+    family's own per layer; the output projection is left out when tied (HF re-ties it on load). In an MoE
+    layer (models/moe.py) the feed-forward's names are the family's `moe_names`: its router, and each
+    expert's projections, which HF files hold one tensor per expert and phalanx stacks: those phalanx
+    names carry the expert's index, `layers.0.feed_forward.w1[3]` (expert_slice reads them)."""
     layer_names = {**LAYER_NAMES, **family_layer_names}
+    dense_ffn = {k for k in layer_names if k.startswith("feed_forward.")}
     names = {"tok_embeddings.weight": TOP_NAMES["tok_embeddings.weight"]}
     for i in range(args.n_layers):
-        names |= {f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in layer_names.items()}
+        moe = args.is_moe_layer(i)
+        names |= {
+            f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}"
+            for ours, theirs in layer_names.items()
+            if not (moe and ours in dense_ffn)
+        }
+        if moe:
+            names[f"layers.{i}.feed_forward.router.weight"] = f"model.layers.{i}.{moe_names['router']}"
+            for e in range(args.n_experts):
+                for w in EXPERT_WEIGHTS:
+                    names[f"layers.{i}.feed_forward.{w}[{e}]"] = f"model.layers.{i}.{moe_names[w].format(e=e)}"
     names["norm.weight"] = TOP_NAMES["norm.weight"]
     if not args.tie_embeddings:
         names["output.weight"] = TOP_NAMES["output.weight"]
     return names
+
+
+def expert_slice(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The tensor a tensor_names key names in a state dict: the tensor itself, or for `w1[3]` the view of
+    expert 3's slice of the stacked w1 (writing into the view writes the parameter)."""
+    base, bracket, index = name.partition("[")
+    return state[base][int(index[:-1])] if bracket else state[name]
+
+
+def state_name(name: str) -> str:
+    """The state-dict name a tensor_names key lives under: `layers.0.feed_forward.w1[3]` -> its w1."""
+    return name.partition("[")[0]
 
 
 def integer(config: dict, key: str, default: int | None = None) -> int:
