@@ -11,11 +11,11 @@ same way. Where torch lacks _grouped_mm, a loop over the experts computes the sa
 Load balancing: in training, each MoE layer keeps its auxiliary loss, Switch Transformer's
 n_experts * sum_e f_e * P_e (f_e: the fraction of the layer's tokens routed to expert e, each token
 counted for each of its k experts, so the fractions sum to k; P_e: e's mean router probability), as
-Mixtral and Qwen3-MoE train with in transformers. moe_aux_loss() is
-router_aux_loss_coef times the layers' mean, which the train step adds to the loss it differentiates
-(the loss it reports stays the cross-entropy, comparable with a dense model's). transformers
-computes one such loss over all layers' tokens pooled; the per-layer mean here is torchtitan's and
-Megatron's form, which balances every layer on its own.
+Mixtral and Qwen3-MoE train with in transformers. moe_aux_loss() is router_aux_loss_coef times the
+layers' mean, which the train step adds to the loss it differentiates (the loss it reports stays the
+cross-entropy, comparable with a dense model's). transformers computes one such loss over all layers'
+tokens pooled; the per-layer mean here is torchtitan's and Megatron's form, which balances every layer
+on its own.
 
 Weights: w1 (gate) and w3 (up) are (experts, ffn, dim), w2 (down) is (experts, dim, ffn), each expert's
 slice laid out as the dense FeedForward's nn.Linear weight, so a checkpoint's per-expert tensors are
