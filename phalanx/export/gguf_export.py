@@ -1,6 +1,7 @@
-"""GGUF export for llama.cpp and Ollama, written with the `gguf` package's GGUFWriter: Llama and Mistral as
-llama.cpp's `llama` architecture, Qwen2 as `qwen2` (with attn_{q,k,v}.bias), Qwen3 as `qwen3` (with
-attn_{q,k}_norm); check_llama_cpp_computes refuses what those architectures cannot run.
+"""GGUF export for llama.cpp and Ollama, written with the `gguf` package's GGUFWriter: Llama, Mistral and
+Mixtral as llama.cpp's `llama` architecture (Mixtral with expert_count and its experts), Qwen2 as `qwen2`
+(with attn_{q,k,v}.bias), Qwen3 as `qwen3` (with attn_{q,k}_norm), Qwen3-MoE as `qwen3moe`;
+check_llama_cpp_computes refuses what those architectures cannot run.
 
 (Named gguf_export, not gguf, so it never shadows the `gguf` package.)
 
@@ -36,6 +37,7 @@ from phalanx.export.tokenizer_files import ensure_special_tokens
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.rope import rope_frequency_divisors
 from phalanx.run.gguf_format import (
+    AUX_LOSS_KEY,
     FAMILY_ARCH,
     FAMILY_KEY,
     ROPE_SCALING_KEYS,
@@ -87,20 +89,21 @@ def check_llama_cpp_computes(args: ModelArgs) -> None:
     - qwen2 sizes attn_q as dim x dim, so its heads must be dim / n_heads wide.
     - Only llama reads rope_freqs (Llama 3.1 scaling); qwen2 and qwen3 fail on it.
     (q/k/v biases load on all three.)"""
-    if args.family not in FAMILY_ARCH:  # the mixtures of experts (models/moe.py)
-        raise PhalanxError(
-            f"GGUF export of family {args.family} (a mixture of experts) is not written yet; use --format hf"
-        )
     arch = FAMILY_ARCH[args.family]
     refusal = None
-    if args.sliding_window is not None and args.sliding_window < args.max_seq_len:
+    if args.n_experts and (args.n_dense_layers or not args.norm_topk_prob):
+        refusal = (
+            "dense first layers or top-k weights that are not renormalised (its MoE graphs put experts in "
+            "every layer and renormalise)"
+        )
+    elif args.sliding_window is not None and args.sliding_window < args.max_seq_len:
         refusal = (
             f"a sliding window of {args.sliding_window} tokens: llama.cpp attends to the whole context, so "
             f"beyond {args.sliding_window} tokens it would compute another model (set model.sliding_window "
             f">= max_seq_len {args.max_seq_len}, or export --format hf)"
         )
-    elif args.qk_norm != (arch == "qwen3"):
-        refusal = "q/k norms" if args.qk_norm else "no q/k norms (llama.cpp's qwen3 requires them)"
+    elif args.qk_norm != (arch in ("qwen3", "qwen3moe")):
+        refusal = "q/k norms" if args.qk_norm else f"no q/k norms (llama.cpp's {arch} requires them)"
     elif arch == "qwen2" and args.head_size * args.n_heads != args.dim:
         refusal = f"head_dim {args.head_size} with {args.n_heads} heads and dim {args.dim} (it needs dim / n_heads)"
     elif arch != "llama" and rope_frequency_divisors(args) is not None:
@@ -192,6 +195,12 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     writer.add_embedding_length(args.dim)
     writer.add_block_count(args.n_layers)
     writer.add_feed_forward_length(args.ffn_dim)
+    if args.n_experts:  # a mixture of experts (models/moe.py)
+        writer.add_expert_count(args.n_experts)
+        writer.add_expert_used_count(args.n_experts_per_token)
+        if FAMILY_ARCH[args.family] == "qwen3moe":  # llama's graph sizes its experts by feed_forward_length
+            writer.add_expert_feed_forward_length(args.moe_ffn_dim)
+        writer.add_float32(AUX_LOSS_KEY, args.router_aux_loss_coef)
     writer.add_head_count(args.n_heads)
     writer.add_head_count_kv(args.n_kv_heads)
     writer.add_key_length(args.head_size)  # llama.cpp's default, dim / n_heads, is wrong where head_dim is set

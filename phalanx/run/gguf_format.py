@@ -25,7 +25,17 @@ GGUF_FILE = "model.gguf"
 # Each family under the name llama.cpp gives its architecture. Mistral is Llama's graph plus a sliding
 # window (which llama.cpp never applies: see gguf_export.py), so it is written as `llama`, its own name
 # kept in FAMILY_KEY.
-FAMILY_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Mixtral is llama's graph with experts (llama.cpp reads expert_count); Qwen3-MoE has its own name.
+FAMILY_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mixtral": "llama",
+    "qwen3_moe": "qwen3moe",
+}
+# What llama.cpp has no key for, written so that an export reads back as the ModelArgs it came from.
+AUX_LOSS_KEY = "phalanx.moe.router_aux_loss_coef"
 # llama.cpp rotates `llama` heads in the interleaved layout (LLAMA_ROPE_TYPE_NORM), so their Q and K rows
 # are permuted; qwen2 and qwen3 rotate in the rotate_half layout (NEOX), phalanx's own, so theirs are not.
 INTERLEAVED_ROPE_ARCHS = ("llama",)
@@ -55,6 +65,12 @@ _LAYER_NAMES = {
     "feed_forward.w1.weight": "ffn_gate.weight",
     "feed_forward.w3.weight": "ffn_up.weight",
     "feed_forward.w2.weight": "ffn_down.weight",
+    # A mixture of experts (models/moe.py): the router, and each projection's experts stacked in one
+    # tensor, as llama.cpp reads them ((experts, out, in) here; ggml lists the dimensions reversed).
+    "feed_forward.router.weight": "ffn_gate_inp.weight",
+    "feed_forward.w1": "ffn_gate_exps.weight",
+    "feed_forward.w3": "ffn_up_exps.weight",
+    "feed_forward.w2": "ffn_down_exps.weight",
     "attention_norm.weight": "attn_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
 }
@@ -162,7 +178,9 @@ def _model_args(file: Path, arch: str, fields: dict, tensors: dict) -> ModelArgs
     )
     if embedding is None or vocab is None:
         raise PhalanxError(f"{file} has no token embedding or vocabulary")
-    family = fields.get(FAMILY_KEY, arch)  # a file not phalanx's own: the family of its architecture's name
+    experts = int(fields.get(f"{arch}.expert_count", 0))
+    # A file not phalanx's own: the family of its architecture's name (llama with experts: Mixtral).
+    family = fields.get(FAMILY_KEY, "mixtral" if arch == "llama" and experts else arch)
     if FAMILY_ARCH.get(family) != arch:
         raise PhalanxError(f"{file}: {FAMILY_KEY} {family!r} is not a family written as architecture {arch!r}")
     scaling = {name: _decimal(fields[key]) for name, key in ROPE_SCALING_KEYS.items() if key in fields}
@@ -196,7 +214,23 @@ def _model_args(file: Path, arch: str, fields: dict, tensors: dict) -> ModelArgs
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         sliding_window=None if window is None else int(window),
         **{k: (int(v) if k == "rope_original_max_seq_len" else v) for k, v in scaling.items()},
+        **({} if not experts else _moe_args(file, arch, fields)),
     )
+
+
+def _moe_args(file: Path, arch: str, fields: dict) -> dict:
+    """A mixture of experts' fields: llama.cpp's expert keys (its MoE graphs renormalise the top-k
+    weights), the expert width apart from the dense one for qwen3moe."""
+    used = fields.get(f"{arch}.expert_used_count")
+    if used is None:
+        raise PhalanxError(f"{file} lacks {arch}.expert_used_count")
+    width = fields.get(f"{arch}.expert_feed_forward_length")
+    return {
+        "n_experts": int(fields[f"{arch}.expert_count"]),
+        "n_experts_per_token": int(used),
+        "expert_ffn_dim": None if width is None else int(width),
+        "router_aux_loss_coef": _decimal(fields.get(AUX_LOSS_KEY, 0.0)),
+    }
 
 
 def _decimal(value) -> float:

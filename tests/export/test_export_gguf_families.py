@@ -1,5 +1,5 @@
-"""GGUF export of every family: Llama and Mistral as llama.cpp's `llama` architecture, Qwen2 as `qwen2`,
-Qwen3 as `qwen3`. Small seeded random models (float32), each loaded in real llama.cpp (llama-cpp-python),
+"""GGUF export of every family: Llama, Mistral and Mixtral as llama.cpp's `llama` architecture, Qwen2 as
+`qwen2`, Qwen3 as `qwen3`, Qwen3-MoE as `qwen3moe`. Small seeded random models (float32), each loaded in real llama.cpp (llama-cpp-python),
 must give phalanx's own logits and greedy tokens; read_gguf must give back the very tensors and ModelArgs.
 What llama.cpp cannot run (a sliding window that hides keys, among others) is refused in one line, and a
 test keeps checking that llama.cpp still ignores sliding windows, the reason for that refusal."""
@@ -40,11 +40,17 @@ FAMILIES = {
     "qwen2": (dict(family="qwen2", qkv_bias=True), "qwen2"),
     # head_dim 32, not dim / n_heads = 16: llama.cpp must take it from key_length.
     "qwen3": (dict(family="qwen3", qk_norm=True, head_dim=32), "qwen3"),
+    # Mixtures of experts (models/moe.py): experts stacked in ffn_{gate,up,down}_exps, the router ffn_gate_inp.
+    "mixtral": (dict(family="mixtral", n_experts=4, n_experts_per_token=2, router_aux_loss_coef=0.02), "llama"),
+    "qwen3_moe": (
+        dict(family="qwen3_moe", qk_norm=True, head_dim=32, n_experts=4, n_experts_per_token=2, expert_ffn_dim=64),
+        "qwen3moe",
+    ),
 }
 PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?"
 NEW_TOKENS = 16
 # Max abs logit difference, llama.cpp vs phalanx, f32 weights and KV cache: measured 2.4e-6 to 2.9e-6
-# here for every family, with logits of std ~0.8. Q/K rows in the other RoPE layout than the
+# here for every dense family, 2.9e-6 (mixtral) and 3.3e-6 (qwen3_moe), with logits of std ~0.8. Q/K rows in the other RoPE layout than the
 # architecture's (permuted for qwen2/qwen3, or not for llama) are off by 2.2 to 2.8.
 TOLERANCE = 1e-5
 
@@ -230,6 +236,7 @@ REFUSED = {
     "with q/k norms": dict(family="llama", qk_norm=True),
     "head_dim 32 with 4 heads and dim 64": dict(family="qwen2", head_dim=32),
     "Llama 3.1 RoPE scaling": dict(family="qwen3", qk_norm=True, rope_scaling_factor=8.0),
+    "dense first layers": dict(family="qwen3_moe", qk_norm=True, n_experts=4, n_experts_per_token=2, n_dense_layers=1),
 }
 
 
