@@ -43,7 +43,7 @@ class MoE(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.aux_loss: torch.Tensor | None = None  # this forward's load-balancing loss, in training
-        self.tokens_per_expert: torch.Tensor | None = None  # this forward's routed pairs per expert
+        self.routed: torch.Tensor | None = None  # tokens per expert since routing_counts() last took them
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
@@ -53,7 +53,7 @@ class MoE(nn.Module):
         if self.norm_topk_prob:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
         counts_E = torch.bincount(experts_NK.flatten(), minlength=self.n_experts)
-        self.tokens_per_expert = counts_E.detach()
+        self.routed = counts_E.detach() if self.routed is None else self.routed + counts_E.detach()
         self.aux_loss = None
         if self.training:
             share_E = counts_E.float() / x_ND.shape[0]  # per token: the shares sum to top_k
@@ -88,6 +88,26 @@ class MoE(nn.Module):
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def routing_counts(model: nn.Module) -> torch.Tensor | None:
+    """(MoE layers, experts): the tokens each expert was sent since the last call, over this process's
+    forwards (each token counted once for each of its k experts); the counts start again from zero.
+    None for a dense model, or before any forward."""
+    layers = moe_layers(model)
+    if not layers or any(m.routed is None for m in layers):
+        return None
+    counts = torch.stack([m.routed for m in layers])
+    for m in layers:
+        m.routed = None
+    return counts
+
+
+def imbalance(counts_LE: torch.Tensor) -> list[float]:
+    """Per MoE layer, the busiest expert's tokens over the mean expert's: 1 is perfectly balanced, and
+    n_experts / top_k the worst (every token to the same k experts)."""
+    counts_LE = counts_LE.float()
+    return (counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp(min=1e-9)).tolist()
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:

@@ -29,6 +29,7 @@ from phalanx.errors import PreemptedError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
 from phalanx.models.lora import quantize_base
+from phalanx.models.moe import imbalance, routing_counts
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.context_parallel import context_split
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib
@@ -306,6 +307,7 @@ class Trainer:
         data_seconds = time.perf_counter() - t_data
         trained_share = sft_loss_scale(micro_batches, self.env.device)
         hooks = SupervisedStep(self, step)
+        routing_counts(self.model)  # a mixture of experts: count this step's routing alone (not evaluation's)
         train_step(
             self.model,
             self.optimizer,
@@ -332,7 +334,17 @@ class Trainer:
             "compute_seconds": hooks.compute_seconds,
             "data_seconds": data_seconds,
             **({"skipped": hooks.anomaly} if hooks.anomaly else {}),
+            **self._routing(),
         }
+
+    def _routing(self) -> dict[str, Any]:
+        """A mixture of experts' balance over the step, every rank's tokens summed (one small all-reduce):
+        the busiest expert over the mean, per MoE layer and the worst of them (models/moe.py)."""
+        counts = routing_counts(self.model)
+        if counts is None:
+            return {}
+        by_layer = imbalance(all_reduce_sum(counts.float()))
+        return {"moe_imbalance": round(max(by_layer), 4), "moe_imbalance_by_layer": [round(x, 4) for x in by_layer]}
 
     # -- evaluation, checkpoints, recovery -----------------------------------------------------------
     def _evaluate(self, step: int) -> dict[str, Any]:

@@ -15,10 +15,10 @@ import torch
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.families import hf_config
 from phalanx.models.flops import count_params
-from phalanx.models.moe import MoE, moe_aux_loss
+from phalanx.models.moe import MoE, imbalance, moe_aux_loss, routing_counts
 from phalanx.models.presets import MODEL_PRESETS
 from phalanx.run.hf_format import read_hf_model
-from tests.helpers import phalanx, train_json
+from tests.helpers import phalanx, read_metrics, train_json
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,7 +99,9 @@ def test_grouped_gemms_equal_a_loop_over_the_experts_forward_and_backward(monkey
     torch.testing.assert_close(grouped_x.grad, looped_x.grad, rtol=1e-5, atol=1e-6)
     for name, param in layer.named_parameters():
         torch.testing.assert_close(param.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)
-    assert int(layer.tokens_per_expert.sum()) == 3 * 7 * 2
+    counts = routing_counts(layer)  # both forwards' tokens, each counted for its 2 experts
+    assert counts.shape == (1, 5) and int(counts.sum()) == 2 * 3 * 7 * 2 and routing_counts(layer) is None
+    assert imbalance(torch.tensor([[2, 2, 2, 2], [8, 0, 0, 0]])) == [1.0, 4.0]
 
 
 def test_the_load_balancing_loss_is_transformers_for_one_layer():
@@ -132,6 +134,12 @@ def test_a_tiny_moe_trains_and_what_it_cannot_run_yet_is_one_line(tiny_args):
     moe = [a for a in tiny_args if not a.startswith("model.")] + ["model.preset=tiny-moe", "model.max_seq_len=64"]
     summary = train_json(*moe)
     assert summary["val_loss_final"] < summary["val_loss_start"] - 0.3
+    # Every step's routing balance: per layer the busiest of 8 experts over the mean (1 to 8 / 2 = 4).
+    steps = [m for m in read_metrics(summary["run_dir"]) if "loss" in m]
+    assert len(steps) == 12
+    for m in steps:
+        assert len(m["moe_imbalance_by_layer"]) == 4 and m["moe_imbalance"] == max(m["moe_imbalance_by_layer"])
+        assert all(1.0 <= x <= 4.0 for x in m["moe_imbalance_by_layer"])
     # The serving engine decodes it (a prefill, then batched decode steps through the experts).
     text = phalanx("generate", summary["run_dir"], "ROMEO:", "--max-new-tokens", "12", "--seed", "0").stdout
     assert text.startswith("ROMEO:") and len(text) > len("ROMEO:")
