@@ -247,7 +247,11 @@ class RunFollower:
         for m in metrics:
             if "loss" in m:
                 self.last.update(
-                    {k: m.get(k) for k in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "tokens_seen")}
+                    {
+                        k: m.get(k)
+                        for k in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "tokens_seen")
+                        + ("moe_imbalance", "moe_imbalance_by_layer")
+                    }
                 )
                 if m.get("peak_mem_gib") is not None:
                     self.last["peak_mem_bytes"] = m["peak_mem_gib"] * 2**30

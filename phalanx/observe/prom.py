@@ -26,6 +26,12 @@ TRAIN_GAUGES = (
     ("phalanx_train_mfu_ratio", "Model FLOPs utilisation of one device (0-1) at the last step", "mfu"),
     ("phalanx_train_peak_memory_bytes", "Peak memory of rank 0", "peak_mem_bytes"),
     ("phalanx_train_ettr_ratio", "Effective training time ratio of this launch (productive / wall)", "ettr"),
+    (
+        "phalanx_train_moe_imbalance_ratio",
+        "A mixture of experts at the last step: the busiest expert's tokens over the mean expert's, in its "
+        "worst MoE layer (1: even)",
+        "moe_imbalance",
+    ),
 )
 # Counters of a training run: (name without _total, help, key in the follower's latest step record).
 TRAIN_COUNTERS = (
@@ -90,6 +96,14 @@ class TrainingCollector(Collector):
                 compute.add_metric(labels, float(record["compute_seconds"]))
         yield step_time
         yield compute
+        by_layer = GaugeMetricFamily(
+            "phalanx_train_moe_layer_imbalance_ratio",
+            "A mixture of experts at the last step: the busiest expert's tokens over the mean, per MoE layer",
+            labels=["run", "layer"],
+        )
+        for layer, ratio in enumerate(last.get("moe_imbalance_by_layer") or []):  # the MoE layers, in order
+            by_layer.add_metric([run, str(layer)], float(ratio))
+        yield by_layer
 
 
 # Per-run gauges the dashboard exposes for every run in the store: (name, help, key in the runs row).

@@ -373,7 +373,13 @@ def test_ecc_errors_are_a_counter_and_training_throughput_is_a_token_counter():
         TrainingCollector(
             lambda: {
                 "run": "r",
-                "last": {"step": 5, "tokens_seen": 1280, "tokens_per_sec": 99.0},
+                "last": {
+                    "step": 5,
+                    "tokens_seen": 1280,
+                    "tokens_per_sec": 99.0,
+                    "moe_imbalance": 1.75,
+                    "moe_imbalance_by_layer": [1.25, 1.75],
+                },
                 "ranks": {},
                 "counts": {},
             }
@@ -387,3 +393,6 @@ def test_ecc_errors_are_a_counter_and_training_throughput_is_a_token_counter():
     assert families["phalanx_train_tokens"].type == "counter"
     assert 'phalanx_train_tokens_total{run="r"} 1280.0' in text
     assert "phalanx_train_tokens_per_second" not in families and "_created" not in text
+    # A mixture of experts' routing balance, overall and per MoE layer.
+    assert 'phalanx_train_moe_imbalance_ratio{run="r"} 1.75' in text
+    assert 'phalanx_train_moe_layer_imbalance_ratio{layer="1",run="r"} 1.75' in text
