@@ -192,16 +192,18 @@ def check_lora(config: Config) -> None:
 
 
 def check_moe(config: Config, shape: ModelArgs) -> None:
-    """A mixture of experts trains on one process or with data parallelism (DDP) so far: expert
-    parallelism, and experts under FSDP, tensor, pipeline or context parallelism, LoRA and compile, are
-    refused in one line until they are built and tested."""
+    """A mixture of experts trains on one process, with DDP, or with FSDP from its own initialisation so
+    far: expert parallelism, a pretrained MoE under FSDP (its experts' slices of sharded tensors), tensor,
+    pipeline or context parallelism, LoRA and compile are refused in one line until they are built and
+    tested."""
     if not shape.n_experts:
         return
     p = config.parallel
+    fsdp = p.strategy == "fsdp" or p.dp_shard not in (None, 1)
     not_yet = [
         what
         for what, used in (
-            ("parallel.strategy fsdp", p.strategy == "fsdp" or p.dp_shard not in (None, 1)),
+            ("parallel.strategy fsdp and model.pretrained", fsdp and config.model.pretrained is not None),
             ("parallel.tp", p.tp > 1),
             ("parallel.pp", p.pp > 1),
             ("parallel.cp", p.cp > 1),
@@ -213,7 +215,7 @@ def check_moe(config: Config, shape: ModelArgs) -> None:
     if not_yet:
         raise PhalanxError(
             f"a mixture of experts ({shape.n_experts} experts) does not run with {', '.join(not_yet)} yet; "
-            "it trains on one process or with parallel.strategy ddp"
+            "it trains on one process, with parallel.strategy ddp, or with fsdp from scratch"
         )
 
 
