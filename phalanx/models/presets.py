@@ -50,19 +50,21 @@ def _qwen3(dim: int, n_layers: int, n_heads: int, ffn_dim: int, tie: bool) -> Mo
     )
 
 
+# Small enough to train a few hundred steps on two CPU cores.
+_TINY = ModelArgs(
+    dim=256,
+    n_layers=4,
+    n_heads=8,
+    n_kv_heads=4,
+    ffn_dim=768,
+    vocab_size=4096,
+    max_seq_len=256,
+    rope_theta=10000.0,
+    tie_embeddings=True,
+)
+
 MODEL_PRESETS: dict[str, ModelArgs] = {
-    # Small enough to train a few hundred steps on two CPU cores.
-    "tiny": ModelArgs(
-        dim=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        ffn_dim=768,
-        vocab_size=4096,
-        max_seq_len=256,
-        rope_theta=10000.0,
-        tie_embeddings=True,
-    ),
+    "tiny": _TINY,
     # GPT-2 small's size; vocab 50304 is GPT-2's 50257 rounded up to a multiple of 128 for fast matmuls.
     "125m": ModelArgs(
         dim=768,
@@ -151,20 +153,8 @@ MODEL_PRESETS: dict[str, ModelArgs] = {
     "qwen3-32b": _qwen3(5120, 64, 64, 25600, tie=False),
     # Mixtures of experts (models/moe.py). tiny-moe: tiny's attention with 8 experts of 384, 2 per token
     # (about tiny's active size), for tests and CPU runs.
-    "tiny-moe": ModelArgs(
-        dim=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        ffn_dim=384,
-        vocab_size=4096,
-        max_seq_len=256,
-        rope_theta=10000.0,
-        tie_embeddings=True,
-        family="mixtral",
-        n_experts=8,
-        n_experts_per_token=2,
-        router_aux_loss_coef=0.01,
+    "tiny-moe": dataclasses.replace(
+        _TINY, ffn_dim=384, family="mixtral", n_experts=8, n_experts_per_token=2, router_aux_loss_coef=0.01
     ),
     "mixtral-8x7b": ModelArgs(  # Mixtral 8x7B v0.1
         dim=4096,

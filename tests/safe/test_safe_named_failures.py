@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from phalanx.run.records import read_events
 from phalanx.safe.heartbeat import AGENT_STALE_SECONDS
 from tests.conftest import TINY
 from tests.helpers import parent_of, ranks_of
+from tests.safe.test_soak import start, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -25,24 +25,7 @@ DRILL = ["train.max_steps=40", "checkpoint.interval=5", "train.eval_interval=100
 
 
 def launch(corpus, runs_root, name: str) -> subprocess.Popen:
-    args = [*TINY, f"data.sources=[{corpus}]", f"run.dir={runs_root}", f"run.name={name}", *DRILL]
-    return subprocess.Popen(
-        [sys.executable, "-m", "phalanx", "train", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-
-
-def wait_for_step(run_dir, step: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 300
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.is_file() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the run never reached step {step}")
+    return start([*TINY, f"data.sources=[{corpus}]", f"run.dir={runs_root}", f"run.name={name}", *DRILL])
 
 
 def finished(proc: subprocess.Popen) -> tuple[dict, str]:
@@ -57,7 +40,7 @@ def failures(run_dir) -> list[dict]:
 
 def test_a_killed_fork_server_is_named(corpus, runs_root):
     proc = launch(corpus, runs_root, "fork-server-killed")
-    wait_for_step(runs_root / "fork-server-killed", 8, proc)
+    wait_for_step(proc, runs_root / "fork-server-killed", 8)
     server = parent_of(ranks_of(proc.pid)[0])
     assert server != proc.pid  # the ranks are the fork server's children
     os.kill(server, signal.SIGKILL)
@@ -69,7 +52,7 @@ def test_a_killed_fork_server_is_named(corpus, runs_root):
 
 def test_a_frozen_agent_is_named_not_taken_for_a_crash(corpus, runs_root):
     proc = launch(corpus, runs_root, "agent-frozen")
-    wait_for_step(runs_root / "agent-frozen", 8, proc)
+    wait_for_step(proc, runs_root / "agent-frozen", 8)
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         time.sleep(AGENT_STALE_SECONDS + 4)  # the ranks stop once their agent has been silent this long
