@@ -44,32 +44,45 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.aux_loss: torch.Tensor | None = None  # this forward's load-balancing loss, in training
         self.routed: torch.Tensor | None = None  # tokens per expert since routing_counts() last took them
+        # Set from outside under expert parallelism (parallel/expert_parallel.py): sends each row to the
+        # rank holding its expert, computes there, and brings the result back.
+        self.expert_parallel = None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
+        weights_NK, experts_NK, counts_E = self.route(x_ND)
+        # Each (token, slot) pair's row, grouped by expert (stable: a token's pairs stay in slot order).
+        order_P = torch.argsort(experts_NK.flatten(), stable=True)
+        token_P = order_P // self.top_k
+        if self.expert_parallel is None:
+            out_PD = self.experts(x_ND[token_P], counts_E)
+        else:  # the rows travel to the ranks holding their experts and back (parallel/expert_parallel.py)
+            out_PD = self.expert_parallel(x_ND[token_P], counts_E, self.experts)
+        out_PD = out_PD * weights_NK.flatten()[order_P].to(out_PD.dtype).unsqueeze(-1)
+        return torch.zeros_like(x_ND).index_add_(0, token_P, out_PD.to(x_ND.dtype)).view(B, T, D)
+
+    def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token's k routing weights and experts, (N, k) each, and the tokens each expert is sent
+        (E,); adds those to `routed` and, in training, keeps the load-balancing loss."""
         probs_NE = F.softmax(self.router(x_ND).float(), dim=-1)
         weights_NK, experts_NK = torch.topk(probs_NE, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
         counts_E = torch.bincount(experts_NK.flatten(), minlength=self.n_experts)
-        self.routed = counts_E.detach() if self.routed is None else self.routed + counts_E.detach()
+        self.routed = counts_E if self.routed is None else self.routed + counts_E
         self.aux_loss = None
         if self.training:
             share_E = counts_E.float() / x_ND.shape[0]  # per token: the shares sum to top_k
             self.aux_loss = self.n_experts * (share_E * probs_NE.mean(dim=0)).sum()
-        # Each (token, slot) pair's row, grouped by expert (stable: a token's pairs stay in slot order).
-        order_P = torch.argsort(experts_NK.flatten(), stable=True)
-        token_P = order_P // self.top_k
-        out_PD = self._experts(x_ND[token_P], counts_E)
-        out_PD = out_PD * weights_NK.flatten()[order_P].to(out_PD.dtype).unsqueeze(-1)
-        return torch.zeros_like(x_ND).index_add_(0, token_P, out_PD.to(x_ND.dtype)).view(B, T, D)
+        return weights_NK, experts_NK, counts_E
 
-    def _experts(self, x_PD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of each row by its expert: rows sorted by expert, counts_E of them each."""
+    def experts(self, x_PD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of each row by its expert: rows sorted by expert, counts_E of them for each expert this
+        process holds (all of them, or under expert parallelism its own share)."""
         dtype = torch.get_autocast_dtype(x_PD.device.type) if torch.is_autocast_enabled(x_PD.device.type) else None
         x_PD = x_PD if dtype is None else x_PD.to(dtype)
-        w1, w2, w3 = (w if dtype is None else w.to(dtype) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (_local(w) if dtype is None else _local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
         if hasattr(torch, "_grouped_mm"):
             ends = torch.cumsum(counts_E, 0).to(torch.int32)
 
@@ -84,6 +97,12 @@ class MoE(nn.Module):
                 return torch.cat([part @ weight[e].T for e, part in enumerate(parts)])
 
         return grouped(F.silu(grouped(x_PD, w1)) * grouped(x_PD, w3), w2)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This process's experts of a stacked weight: under expert parallelism it is a DTensor sharded by
+    expert, and the rows reaching this process are only for its own experts."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
