@@ -207,6 +207,7 @@ class ParallelSection(Section):
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
     pp_microbatches: PositiveInt | None = Field(None, description="micro-batches per pipeline step; null: pp")
     cp: PositiveInt = Field(1, description="context-parallel ranks: each holds a slice of every sequence")
+    ep: PositiveInt = Field(1, description="expert-parallel ranks, borrowed from dp_shard: each holds 1/ep of the experts")
 
     @model_validator(mode="after")
     def _check_degrees(self) -> ParallelSection:

@@ -80,9 +80,12 @@ class MoE(nn.Module):
     def experts(self, x_PD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """SwiGLU of each row by its expert: rows sorted by expert, counts_E of them for each expert this
         process holds (all of them, or under expert parallelism its own share)."""
-        dtype = torch.get_autocast_dtype(x_PD.device.type) if torch.is_autocast_enabled(x_PD.device.type) else None
-        x_PD = x_PD if dtype is None else x_PD.to(dtype)
-        w1, w2, w3 = (_local(w) if dtype is None else _local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
+        # Autocast's dtype, or the rows' own: experts split over ranks keep their float32 weights while FSDP
+        # casts the rest of the model (parallel/expert_parallel.py).
+        autocast = torch.is_autocast_enabled(x_PD.device.type)
+        dtype = torch.get_autocast_dtype(x_PD.device.type) if autocast else x_PD.dtype
+        x_PD = x_PD.to(dtype)
+        w1, w2, w3 = (_local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
         if hasattr(torch, "_grouped_mm"):
             ends = torch.cumsum(counts_E, 0).to(torch.int32)
 

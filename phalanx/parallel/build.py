@@ -15,6 +15,7 @@ from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.lora import adapter_rule, apply_lora, is_adapter, shard_adapters
 from phalanx.parallel.apply import wrap_blocks, wrap_ddp
 from phalanx.parallel.context_parallel import gradient_mesh
+from phalanx.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from phalanx.parallel.float8 import apply_float8, check_float8
 from phalanx.parallel.materialize import materialize
 from phalanx.parallel.mesh import Layout
@@ -63,6 +64,8 @@ def build_parallel_model(
         apply_tensor_parallel(model, mesh["tp"])
         if adapters:
             shard_adapters(model, mesh["tp"])
+    if layout.ep > 1:
+        apply_expert_parallel(model, mesh, layout)
     wrap_blocks(model, activation_checkpointing=activation_checkpointing, compile=compile)
     if layout.pp > 1:
         pipelined = split_model(model, mesh["pp"].get_local_rank(), layout.pp, pp_schedule, layout.tp)
@@ -87,11 +90,13 @@ def _shard(root: nn.Module, blocks, layout: Layout, mesh, dtype: torch.dtype) ->
     # FSDP casts parameters itself, so the trainer skips autocast under FSDP; gradients reduce in fp32.
     # Two data-parallel dimensions make it HSDP: shards within dp_shard, replicas across dp_replicate.
     # Parameters are replicated over cp too, so cp ranks join the shard groups (dp_shard x cp).
+    # Experts split by expert parallelism are left out (parallel/expert_parallel.py owns their gradients).
     dp_mesh = gradient_mesh(mesh, layout, sharded=True)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    experts = expert_parameters(root) or None
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(root, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, ignored_params=experts)
+    fully_shard(root, mesh=dp_mesh, mp_policy=policy, ignored_params=experts)
 
 
 def uses_fsdp(layout: Layout) -> bool:

@@ -5,7 +5,9 @@ Mesh dimensions, outermost first (torchtitan's order): pp (pipeline stages: poin
 so it may cross nodes), dp_replicate (whole-model replicas: DDP, or HSDP's replica groups), dp_shard
 (FSDP2 shard groups), cp (context parallelism: each rank holds a slice of every sequence) and tp (tensor
 parallelism, innermost so its frequent collectives stay between the nearest ranks, inside one node).
-Their product is the world size. Batches depend only on a rank's data-parallel coordinate
+Their product is the world size. Expert parallelism (ep) is not a dimension of its own: as in torchtitan,
+it borrows dp_shard's ranks, which split a mixture of experts' experts among them
+(parallel/expert_parallel.py) while still each taking their own slice of every batch. Batches depend only on a rank's data-parallel coordinate
 (dp_replicate x dp_shard), so the pp, cp and tp ranks of one replica see the same tokens and the global
 batch sequence never depends on the layout.
 """
@@ -27,6 +29,7 @@ class Layout:
     tp: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # within dp_shard: ranks that split the experts between them
 
     @property
     def world_size(self) -> int:
@@ -49,6 +52,7 @@ class Layout:
             ("dp_shard", self.dp_shard),
             ("cp", self.cp),
             ("tp", self.tp),
+            ("ep", self.ep),
         ]
         return " x ".join(f"{name}={size}" for name, size in parts if size > 1 or name.startswith("dp_"))
 
@@ -81,12 +85,17 @@ def resolve_layout(section: ParallelSection, world_size: int) -> Layout:
         replicate = rest // shard if rest % shard == 0 else 0
     elif shard is None:
         shard = rest // replicate if rest % replicate == 0 else 0
-    layout = Layout(replicate, shard, tp, pp, cp)
+    layout = Layout(replicate, shard, tp, pp, cp, section.ep)
     if layout.world_size != world_size or not replicate or not shard:
         raise PhalanxError(
             f"the layout pp={pp} x dp_replicate={section.dp_replicate or '?'} x "
             f"dp_shard={section.dp_shard or '?'} x cp={cp} x tp={tp} does not multiply to the world "
             f"size {world_size} (parallel.*)"
+        )
+    if shard % section.ep:
+        raise PhalanxError(
+            f"parallel.ep={section.ep} does not divide dp_shard={shard}: expert parallelism splits the experts "
+            "over FSDP's shard ranks (parallel.strategy fsdp, or parallel.dp_shard)"
         )
     return layout
 

@@ -76,12 +76,16 @@ def lr_at(step: int, train: TrainSection) -> float:
 
 def clip_gradients(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
     """Total gradient norm (clipped to `max_norm` when > 0), correct for FSDP2's sharded DTensor grads
-    and, with `pp_group`, over the whole model when each pipeline stage holds only its own layers (a tied
-    embedding weight, held by the first and the last stage with the same summed gradient, counted once)."""
-    grads = [p.grad for p in params if p.grad is not None and counted_in_grad_norm(p)]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(total, "full_tensor"):  # a DTensor holding per-shard partial norms
-        total = total.full_tensor()
+    and experts sharded on a mesh of their own (expert parallelism: DTensor ops need one mesh, so each
+    mesh's gradients are measured and clipped apart), and, with `pp_group`, over the whole model when each
+    pipeline stage holds only its own layers (a tied embedding weight, held by the first and the last
+    stage with the same summed gradient, counted once)."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None and counted_in_grad_norm(p):
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = [_total_norm(grads) for grads in by_mesh.values()] or [torch.zeros(())]
+    total = norms[0] if len(norms) == 1 else torch.stack(norms).pow(2).sum().sqrt()
     if pp_group is not None:  # stages hold disjoint parameters (but for the tied copy): squared norms add up
         import torch.distributed as dist
 
@@ -89,5 +93,14 @@ def clip_gradients(params: list[torch.Tensor], max_norm: float, pp_group=None) -
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
         total = total.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        by_mesh = {}
+        for p in params:
+            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    return total.full_tensor() if hasattr(total, "full_tensor") else total  # DTensor: per-shard partial norms

@@ -192,13 +192,17 @@ def check_lora(config: Config) -> None:
 
 
 def check_moe(config: Config, shape: ModelArgs) -> None:
-    """A mixture of experts trains on one process, with DDP, or with FSDP from its own initialisation so
-    far: expert parallelism, a pretrained MoE under FSDP (its experts' slices of sharded tensors), tensor,
-    pipeline or context parallelism, LoRA and compile are refused in one line until they are built and
-    tested."""
+    """A mixture of experts trains on one process, with DDP, or with FSDP (and expert parallelism over
+    its shard ranks) from its own initialisation so far: a pretrained MoE under FSDP (its experts' slices
+    of sharded tensors), tensor, pipeline or context parallelism, LoRA and compile are refused in one line
+    until they are built and tested; and parallel.ep needs experts it can split evenly."""
+    p = config.parallel
+    if p.ep > 1 and not shape.n_experts:
+        raise PhalanxError(f"parallel.ep={p.ep} splits a mixture of experts' experts, and this model has none")
     if not shape.n_experts:
         return
-    p = config.parallel
+    if shape.n_experts % p.ep:
+        raise PhalanxError(f"parallel.ep={p.ep} does not divide the model's {shape.n_experts} experts")
     fsdp = p.strategy == "fsdp" or p.dp_shard not in (None, 1)
     not_yet = [
         what
@@ -215,7 +219,7 @@ def check_moe(config: Config, shape: ModelArgs) -> None:
     if not_yet:
         raise PhalanxError(
             f"a mixture of experts ({shape.n_experts} experts) does not run with {', '.join(not_yet)} yet; "
-            "it trains on one process, with parallel.strategy ddp, or with fsdp from scratch"
+            "it trains on one process, with parallel.strategy ddp, or with fsdp (and parallel.ep) from scratch"
         )
 
 

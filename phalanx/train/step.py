@@ -79,11 +79,13 @@ def train_step(
     pp_group: Any = None,
     hooks: StepHooks | None = None,
     trained_share: float | None = None,
+    finish_gradients: Callable[[], None] | None = None,
 ) -> StepOutcome:
     """One step over this rank's micro-batches. split: this rank's share of each sequence and how its
     forward attends (context parallelism); measure: a context around this rank's own work (the straggler
     clock). trained_share: for fine-tuning batches, the step's trained tokens over all data-parallel ranks
-    divided by their number (sft_loss_scale)."""
+    divided by their number (sft_loss_scale). finish_gradients: what completes the gradients after the
+    last backward, where data parallelism does not (experts split by expert parallelism)."""
     hooks = hooks or StepHooks()
     if pipeline is not None:
         loss_sum, parts = _pipeline_forward_backward(micro_batches, device, autocast, measure, pipeline, hooks)
@@ -115,6 +117,8 @@ def train_step(
                 ((loss if balance is None else loss + balance) / len(micro_batches)).backward()
             loss_sum += loss.detach()
     hooks.phase("collective")
+    if finish_gradients is not None:
+        finish_gradients()
     grad_norm = clip_gradients(params, grad_clip, pp_group=pp_group)
     applied = hooks.apply_update(loss_sum, parts, grad_norm)
     hooks.phase("optimizer")

@@ -39,6 +39,7 @@ from phalanx.parallel.distributed import (
     init_distributed,
     teardown,
 )
+from phalanx.parallel.expert_parallel import expert_gradients
 from phalanx.parallel.mesh import build_mesh, dp_coordinate, resolve_layout
 from phalanx.parallel.pipeline import Pipeline, check_pipeline, microbatches
 from phalanx.run.jsonl import JsonlSink, MetricsSink, NullSink, json_safe
@@ -146,6 +147,7 @@ class Trainer:
         self.autocast = (
             (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
         )
+        self.expert_gradients = expert_gradients(self.model, self.layout)  # expert parallelism's share
         self.optimizer = build_optimizer(self.model, tc)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -322,6 +324,7 @@ class Trainer:
             pp_group=self.pp_group,
             hooks=hooks,
             trained_share=trained_share,
+            finish_gradients=self.expert_gradients,
         )
         if hooks.rolled_back:
             return None

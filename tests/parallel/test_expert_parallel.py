@@ -1,0 +1,87 @@
+"""Expert parallelism (parallel/expert_parallel.py) through the real launcher on gloo: a tiny mixture of
+experts with its 8 experts split over 2 ranks trains to one process's losses, resumes to the bit after a
+halt, and its checkpoints reshard to one process; what it cannot run is one line."""
+
+import pytest
+
+from tests.helpers import losses_by_step, phalanx, train_json
+
+
+@pytest.fixture
+def moe_args(tiny_args):
+    """Micro-batches of 2 rows on any layout: the load-balancing loss is each micro-batch's own, so
+    layouts match only where they cut the same micro-batches."""
+    model = ["model.preset=tiny-moe", "model.max_seq_len=64", "train.micro_batch_size=2"]
+    return [a for a in tiny_args if not a.startswith(("model.", "train.micro_batch_size="))] + model
+
+
+def named(args, suffix):
+    return [a + suffix if a.startswith("run.name=") else a for a in args]
+
+
+def assert_close_losses(one: dict, many: dict) -> None:
+    assert one.keys() == many.keys()
+    for step in one:
+        assert many[step] == pytest.approx(one[step], rel=1e-5), (step, one[step], many[step])
+
+
+@pytest.fixture
+def one_process(moe_args):
+    """6 steps: as under FSDP alone (tests/models/test_models_moe.py), later steps may flip a routing
+    decision between summation orders."""
+    return losses_by_step(train_json(*named(moe_args, "-one"), "train.max_steps=6")["run_dir"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,ranks",
+    [
+        (["parallel.strategy=fsdp", "parallel.ep=2"], "2"),  # each rank holds 4 of the 8 experts
+        (["parallel.strategy=fsdp", "parallel.ep=2"], "4"),  # dp_shard=4: two groups of 2 split the experts
+    ],
+    ids=["ep2", "ep2-dp_shard4"],
+)
+def test_expert_parallel_matches_one_process(moe_args, one_process, layout, ranks):
+    run = train_json(*named(moe_args, f"-ep-{ranks}"), *layout, "train.max_steps=6", "--nproc", ranks)
+    assert_close_losses(one_process, losses_by_step(run["run_dir"]))
+
+
+@pytest.mark.slow
+def test_expert_parallel_resumes_exactly_and_its_checkpoint_resumes_on_one_process(moe_args):
+    ep = ["parallel.strategy=fsdp", "parallel.ep=2", "train.max_steps=8", "checkpoint.interval=4"]
+    whole = losses_by_step(train_json(*named(moe_args, "-whole"), *ep, "--nproc", "2")["run_dir"])
+    halted = named(moe_args, "-halted")
+    assert train_json(*halted, *ep, "train.halt_at_step=4", "--nproc", "2")["steps"] == 4
+    resumed = losses_by_step(train_json(*halted, *ep, "--nproc", "2")["run_dir"])
+    assert resumed == whole  # bit-identical
+    # The same step-4 checkpoint, its experts read whole by one process.
+    alone = named(moe_args, "-alone")
+    train_json(*alone, *ep, "train.halt_at_step=4", "--nproc", "2")
+    one = losses_by_step(train_json(*alone, "train.max_steps=8", "checkpoint.interval=4")["run_dir"])
+    assert_close_losses({s: loss for s, loss in whole.items() if s > 4}, {s: loss for s, loss in one.items() if s > 4})
+
+
+@pytest.mark.parametrize(
+    "extra,error",
+    [
+        (
+            ["model.preset=tiny", "parallel.strategy=fsdp", "parallel.ep=2"],
+            "error: parallel.ep=2 splits a mixture of experts' experts, and this model has none",
+        ),
+        (
+            ["parallel.strategy=fsdp", "parallel.ep=3"],
+            "error: parallel.ep=3 does not divide dp_shard=2: expert parallelism splits the experts over FSDP's "
+            "shard ranks (parallel.strategy fsdp, or parallel.dp_shard)",
+        ),
+        (
+            ["parallel.strategy=ddp", "parallel.ep=2"],
+            "error: parallel.ep=2 does not divide dp_shard=1: expert parallelism splits the experts over FSDP's "
+            "shard ranks (parallel.strategy fsdp, or parallel.dp_shard)",
+        ),
+    ],
+    ids=["dense", "uneven", "ddp"],
+)
+def test_what_expert_parallelism_cannot_run_is_one_line(moe_args, extra, error):
+    proc = phalanx("train", *moe_args, *extra, "--nproc", "2", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == [error], proc.stderr
