@@ -1,9 +1,13 @@
 """Expert parallelism (parallel/expert_parallel.py) through the real launcher on gloo: a tiny mixture of
 experts with its 8 experts split over 2 ranks trains to one process's losses, resumes to the bit after a
-halt, and its checkpoints reshard to one process; what it cannot run is one line."""
+halt or a killed rank, and its checkpoints reshard to one process; what it cannot run is one line."""
+
+import json
+from pathlib import Path
 
 import pytest
 
+from phalanx.run.records import read_events
 from tests.helpers import losses_by_step, phalanx, train_json
 
 
@@ -54,6 +58,13 @@ def test_expert_parallel_resumes_exactly_and_its_checkpoint_resumes_on_one_proce
     assert train_json(*halted, *ep, "train.halt_at_step=4", "--nproc", "2")["steps"] == 4
     resumed = losses_by_step(train_json(*halted, *ep, "--nproc", "2")["run_dir"])
     assert resumed == whole  # bit-identical
+    # A rank killed in step 7: the restart takes step 6's in-memory snapshot (each rank's own experts).
+    kill = json.dumps([{"fault": "kill", "rank": 1, "step": 7}])
+    drill = [*ep, "checkpoint.memory_interval=1", "safe.hang_floor_s=2", f"safe.inject={kill}", "--nproc", "2"]
+    killed = train_json(*named(moe_args, "-killed"), *drill)
+    assert killed["restarts"] == 1 and losses_by_step(killed["run_dir"]) == whole
+    loaded = [e for e in read_events(Path(killed["run_dir"])) if e["kind"] == "checkpoint_loaded"]
+    assert [e["source"] for e in loaded] == ["memory"]
     # The same step-4 checkpoint, its experts read whole by one process.
     alone = named(moe_args, "-alone")
     train_json(*alone, *ep, "train.halt_at_step=4", "--nproc", "2")
