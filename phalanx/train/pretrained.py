@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from phalanx.errors import PhalanxError
@@ -38,10 +39,30 @@ def load_pretrained(model: nn.Module, args: ModelArgs, checkpoint: Path) -> floa
         # pipeline's last stage lists its copy under the embedding's name too: parallel/pipeline.py), so
         # hf_names leaves it out. LoRA's adapters are the run's own: hf_names does not name them.
         if state_name(name) in ours:
-            wanted[theirs] = expert_slice(ours, name)
+            held = _held_slice(ours, name)
+            if held is not None:
+                wanted[theirs] = held
     try:
         # In place: the tensors are the model's parameters (or their local shards).
         dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(checkpoint)))
     except Exception as e:  # DCP wraps every rank's failure in its own exception types
         raise PhalanxError(f"could not load the pretrained checkpoint {checkpoint}: {dcp_error_line(e)}") from None
     return time.perf_counter() - started
+
+
+def _held_slice(ours: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """What this rank loads for a tensor_names key: the tensor (a DTensor loads its own shards), or an
+    MoE expert's slice of the stacked weights. Sharded by expert (FSDP over whole experts, or expert
+    parallelism), a rank holds some experts' rows in its local shard and loads only those (indexing the
+    DTensor itself would not give a view of the local shard to load into)."""
+    stacked = ours[state_name(name)]
+    if not hasattr(stacked, "to_local") or "[" not in name:
+        return expert_slice(ours, name)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    rows, offset = compute_local_shape_and_global_offset(stacked.shape, stacked.device_mesh, stacked.placements)
+    if any(size != whole for size, whole in zip(rows[1:], stacked.shape[1:])):
+        raise PhalanxError(f"{state_name(name)} is split within experts here: load it into whole experts")
+    expert = int(name.partition("[")[2][:-1])
+    local = expert - offset[0]
+    return stacked.to_local()[local] if 0 <= local < rows[0] else None

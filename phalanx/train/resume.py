@@ -193,8 +193,7 @@ def check_lora(config: Config) -> None:
 
 def check_moe(config: Config, shape: ModelArgs) -> None:
     """A mixture of experts trains on one process, with DDP, or with FSDP (and expert parallelism over
-    its shard ranks) from its own initialisation so far: a pretrained MoE under FSDP (its experts' slices
-    of sharded tensors), tensor, pipeline or context parallelism, LoRA and compile are refused in one line
+    its shard ranks): tensor, pipeline or context parallelism, LoRA and compile are refused in one line
     until they are built and tested; and parallel.ep needs experts it can split evenly."""
     p = config.parallel
     if p.ep > 1 and not shape.n_experts:
@@ -203,11 +202,9 @@ def check_moe(config: Config, shape: ModelArgs) -> None:
         return
     if shape.n_experts % p.ep:
         raise PhalanxError(f"parallel.ep={p.ep} does not divide the model's {shape.n_experts} experts")
-    fsdp = p.strategy == "fsdp" or p.dp_shard not in (None, 1)
     not_yet = [
         what
         for what, used in (
-            ("parallel.strategy fsdp and model.pretrained", fsdp and config.model.pretrained is not None),
             ("parallel.tp", p.tp > 1),
             ("parallel.pp", p.pp > 1),
             ("parallel.cp", p.cp > 1),
@@ -219,7 +216,7 @@ def check_moe(config: Config, shape: ModelArgs) -> None:
     if not_yet:
         raise PhalanxError(
             f"a mixture of experts ({shape.n_experts} experts) does not run with {', '.join(not_yet)} yet; "
-            "it trains on one process, with parallel.strategy ddp, or with fsdp (and parallel.ep) from scratch"
+            "it trains on one process, with parallel.strategy ddp, or with fsdp (and parallel.ep)"
         )
 
 

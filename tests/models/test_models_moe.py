@@ -147,7 +147,7 @@ def test_a_tiny_moe_trains_and_what_it_cannot_run_yet_is_one_line(tiny_args):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and errors == [
         "error: a mixture of experts (8 experts) does not run with parallel.tp yet; it trains on one process, "
-        "with parallel.strategy ddp, or with fsdp (and parallel.ep) from scratch"
+        "with parallel.strategy ddp, or with fsdp (and parallel.ep)"
     ], proc.stderr
 
 

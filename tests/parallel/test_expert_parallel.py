@@ -96,3 +96,35 @@ def test_what_expert_parallelism_cannot_run_is_one_line(moe_args, extra, error):
     proc = phalanx("train", *moe_args, *extra, "--nproc", "2", check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and errors == [error], proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "parallel",
+    [{"strategy": "fsdp"}, {"strategy": "fsdp", "ep": 2}],
+    ids=["fsdp", "ep2"],
+)
+def test_a_pretrained_mixture_of_experts_loads_each_ranks_experts(tmp_path, parallel):
+    """A Mixtral checkpoint made by transformers, loaded by 2 ranks each holding half of the experts
+    (FSDP's shards of whole experts, or expert parallelism): together they hold every tensor exactly."""
+    import torch
+    import transformers
+
+    from phalanx.models.decoder import ModelArgs
+    from phalanx.models.families import expert_slice, hf_config, hf_names
+    from tests.hf_checkpoints import hf_tensors
+    from tests.train.test_train_pretrained import loaded_under
+
+    args = ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64,
+        family="mixtral", n_experts=4, n_experts_per_token=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**json.loads(json.dumps(hf_config(args, 0, 1, torch.float32))))
+    checkpoint = tmp_path / "mixtral"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    (tmp_path / "params").mkdir()
+    params = loaded_under(tmp_path / "params", checkpoint, parallel, 2)
+    expected = hf_tensors(checkpoint)
+    for ours, theirs in hf_names(args).items():
+        assert torch.equal(expert_slice(params, ours), expected[theirs]), ours
