@@ -4,9 +4,11 @@ Every layout trains the same model, batch and seed on 2 gloo ranks (the CPU here
 figure is the median step time of the steps after the first two (warm-up), and each layout's ratio to
 DDP's. Layouts are run in turn, `--repeats` times, and the medians of the rounds are reported.
 
-    python bench/layout_bench.py [--preset tiny] [--steps 20] [--repeats 2] [--runs DIR]
+    python bench/layout_bench.py [--preset tiny] [--steps 20] [--repeats 2] [--runs DIR] [--moe]
 
-PP needs untied embeddings, so every layout trains an untied model (model.tie_embeddings=false).
+PP needs untied embeddings, so every layout trains an untied model (model.tie_embeddings=false). With
+`--moe`, a mixture of experts (`--preset tiny-moe --moe`) runs the layouts it trains under: DDP, FSDP, and FSDP with its
+experts split over the 2 ranks (parallel.ep=2: the same products, plus two all-to-alls per layer).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ LAYOUTS = {
     "pp=2 (1f1b)": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "pp=2 (gpipe)": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
     "cp=2": ["parallel.cp=2"],
+}
+MOE_LAYOUTS = {
+    "ddp": ["parallel.strategy=ddp"],
+    "fsdp": ["parallel.strategy=fsdp"],
+    "fsdp + ep=2": ["parallel.strategy=fsdp", "parallel.ep=2"],
 }
 
 
@@ -67,11 +74,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--runs", type=Path, default=None)
+    parser.add_argument("--moe", action="store_true", help="the layouts a mixture of experts trains under")
     args = parser.parse_args()
     runs = args.runs or Path(tempfile.mkdtemp(prefix="layout-bench-"))
-    times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    layouts = MOE_LAYOUTS if args.moe else LAYOUTS
+    times: dict[str, list[float]] = {name: [] for name in layouts}
     for round_ in range(args.repeats):
-        for name, layout in LAYOUTS.items():
+        for name, layout in layouts.items():
             slug = "".join(c if c.isalnum() else "-" for c in name).strip("-")
             run = f"{args.preset}-{slug}-{round_}"
             times[name].append(step_time(runs, run, args.preset, args.steps, args.seq_len, layout))

@@ -6,6 +6,12 @@ projections by input, so a block costs one all-gather and one reduce-scatter eac
 FFN. Between them the residual stream stays split along the sequence, so the RMSNorms (SequenceParallel)
 and the residual adds touch only each rank's 1/tp of the tokens. The embedding is split by vocabulary,
 the output projection by vocabulary too (gathered into full logits for the loss).
+
+A mixture of experts' block is not split: every tensor-parallel rank gathers the whole sequence, as for
+the dense FFN, and routes and computes it with whole experts (or, under expert parallelism, sends it to
+its ep peers of the same tp coordinate), then keeps its own slice of the result. Its weights are the same
+on every tp rank, and so are their gradients, since the slice's backward gathers the whole gradient back.
+Splitting the experts themselves (torchtitan's expert tensor parallelism) is not built.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from phalanx.errors import PhalanxError
+from phalanx.models.moe import MoE
 
 
 def check_tp(args, tp: int) -> None:
@@ -62,11 +70,20 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         }
+        if isinstance(block.feed_forward, MoE):
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+            )
+        else:
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan["feed_forward.w1"] = ColwiseParallel()
+            plan["feed_forward.w3"] = ColwiseParallel()
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
         if model.args.qk_norm:
             # Qwen3's per-head norms see (B, T, heads, E) with this rank's share of the heads: the
             # weight is replicated and its gradient, summed over the heads of every rank, all-reduced.

@@ -26,7 +26,12 @@ def adamw_implementation(params: list[torch.Tensor]) -> dict[str, Any]:
     over each parameter and allocates `exp_avg_sq.sqrt() / c` for the largest one, the fused kernel
     updates each parameter in one pass and allocates nothing (plan/memory.py models that). Under FSDP2
     and tensor parallelism the parameters are DTensors: DTensor runs the fused op on each local shard,
-    so the same choice holds there (checked on torch 2.13; a DTensor's device and dtype are its shard's)."""
+    so the same choice holds there (checked on torch 2.13; a DTensor's device and dtype are its shard's).
+    One kernel call cannot take DTensors and plain tensors together, which tensor parallelism without
+    FSDP gives a mixture of experts (its router and experts stay whole: parallel/tensor_parallel.py):
+    such a mix steps one parameter at a time."""
+    if len({hasattr(p, "device_mesh") for p in params}) > 1:
+        return {"foreach": False}
     try:  # torch's own list; private, so a torch without it gets the default rather than an error
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
     except ImportError:

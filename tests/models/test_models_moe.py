@@ -143,11 +143,11 @@ def test_a_tiny_moe_trains_and_what_it_cannot_run_yet_is_one_line(tiny_args):
     # The serving engine decodes it (a prefill, then batched decode steps through the experts).
     text = phalanx("generate", summary["run_dir"], "ROMEO:", "--max-new-tokens", "12", "--seed", "0").stdout
     assert text.startswith("ROMEO:") and len(text) > len("ROMEO:")
-    proc = phalanx("train", *moe, "parallel.tp=2", "--nproc", "2", check=False)
+    proc = phalanx("train", *moe, "parallel.pp=2", "--nproc", "2", check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and errors == [
-        "error: a mixture of experts (8 experts) does not run with parallel.tp yet; it trains on one process, "
-        "with parallel.strategy ddp, or with fsdp (and parallel.ep)"
+        "error: a mixture of experts (8 experts) does not run with parallel.pp yet; it trains on one process, "
+        "with parallel.strategy ddp, fsdp (and parallel.ep) or parallel.tp"
     ], proc.stderr
 
 

@@ -42,8 +42,10 @@ def one_process(moe_args):
     [
         (["parallel.strategy=fsdp", "parallel.ep=2"], "2"),  # each rank holds 4 of the 8 experts
         (["parallel.strategy=fsdp", "parallel.ep=2"], "4"),  # dp_shard=4: two groups of 2 split the experts
+        (["parallel.tp=2"], "2"),  # each tp rank routes the whole sequence through whole experts
+        (["parallel.strategy=fsdp", "parallel.ep=2", "parallel.tp=2"], "4"),  # dp_shard=2 x tp=2
     ],
-    ids=["ep2", "ep2-dp_shard4"],
+    ids=["ep2", "ep2-dp_shard4", "tp2", "ep2-tp2"],
 )
 def test_expert_parallel_matches_one_process(moe_args, one_process, layout, ranks):
     run = train_json(*named(moe_args, f"-ep-{ranks}"), *layout, "train.max_steps=6", "--nproc", ranks)
