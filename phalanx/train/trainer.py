@@ -29,7 +29,6 @@ from phalanx.errors import PreemptedError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
 from phalanx.models.lora import quantize_base
-from phalanx.models.moe import imbalance, routing_counts
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.context_parallel import context_split
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib
@@ -55,6 +54,7 @@ from phalanx.safe.stacks import register_stack_dump
 from phalanx.safe.stragglers import ComputeClock, StragglerDetector
 from phalanx.train.checkpoint import Checkpointer
 from phalanx.train.evaluate import Evaluator
+from phalanx.train.expert_balance import expert_balance
 from phalanx.train.memory_checkpoint import MemorySnapshots, remove_rank
 from phalanx.train.optim import build_optimizer, lr_at
 from phalanx.train.pretrained import load_pretrained
@@ -148,6 +148,7 @@ class Trainer:
             (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
         )
         self.expert_gradients = expert_gradients(self.model, self.layout)  # expert parallelism's share
+        self.expert_balance = expert_balance(self.model, self.args, env.device)  # a mixture of experts' routing
         self.optimizer = build_optimizer(self.model, tc)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -309,7 +310,8 @@ class Trainer:
         data_seconds = time.perf_counter() - t_data
         trained_share = sft_loss_scale(micro_batches, self.env.device)
         hooks = SupervisedStep(self, step)
-        routing_counts(self.model)  # a mixture of experts: count this step's routing alone (not evaluation's)
+        if self.expert_balance is not None:
+            self.expert_balance.start_step()
         train_step(
             self.model,
             self.optimizer,
@@ -337,17 +339,8 @@ class Trainer:
             "compute_seconds": hooks.compute_seconds,
             "data_seconds": data_seconds,
             **({"skipped": hooks.anomaly} if hooks.anomaly else {}),
-            **self._routing(),
+            **(self.expert_balance.step_metrics() if self.expert_balance is not None else {}),
         }
-
-    def _routing(self) -> dict[str, Any]:
-        """A mixture of experts' balance over the step, every rank's tokens summed (one small all-reduce):
-        the busiest expert over the mean, per MoE layer and the worst of them (models/moe.py)."""
-        counts = routing_counts(self.model)
-        if counts is None:
-            return {}
-        by_layer = imbalance(all_reduce_sum(counts.float()))
-        return {"moe_imbalance": round(max(by_layer), 4), "moe_imbalance_by_layer": [round(x, 4) for x in by_layer]}
 
     # -- evaluation, checkpoints, recovery -----------------------------------------------------------
     def _evaluate(self, step: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The vLLM engine serves every family phalanx exports: the same greedy tokens as phalanx's own engine on
-the same Hugging Face export of a Qwen2 (q/k/v biases), a Qwen3 (q/k norms, a head_dim of its own) and a
-Mistral (a sliding window shorter than prompt and reply) model."""
+the same Hugging Face export of a Qwen2 (q/k/v biases), a Qwen3 (q/k norms, a head_dim of its own), a
+Mistral (a sliding window shorter than prompt and reply), a Mixtral and a Qwen3-MoE model."""
 
 from __future__ import annotations
 
@@ -20,6 +20,16 @@ FAMILIES = {
     "qwen2": {"family": "qwen2", "qkv_bias": True},
     "qwen3": {"family": "qwen3", "qk_norm": True, "head_dim": 32},
     "mistral": {"family": "mistral", "sliding_window": 12},
+    # Mixtures of experts: vLLM's fused MoE against phalanx's grouped GEMMs.
+    "mixtral": {"family": "mixtral", "n_experts": 4, "n_experts_per_token": 2},
+    "qwen3_moe": {
+        "family": "qwen3_moe",
+        "qk_norm": True,
+        "head_dim": 32,
+        "n_experts": 4,
+        "n_experts_per_token": 2,
+        "expert_ffn_dim": 64,
+    },
 }
 TEXTS = ["ROMEO: wherefore art thou", "JULIET:\nO Romeo, Romeo!"]
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
