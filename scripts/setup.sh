@@ -21,8 +21,8 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 # What each extra brings that takes long to install: present, pip only checks (seconds).
 case ",${EXTRAS}," in
-  *,test-all,*) probe="import phalanx, xdist, llama_cpp" ;;
-  *,test,*) probe="import phalanx, xdist" ;;
+  *,test-all,*) probe="import phalanx, xdist, lm_eval, llama_cpp" ;;
+  *,test,*) probe="import phalanx, xdist, lm_eval" ;;
   *,all,*) probe="import phalanx, fastapi, sqlalchemy, llguidance, tensorboard" ;;
   *) probe="import phalanx" ;;
 esac
@@ -31,7 +31,7 @@ if python -c "$probe" 2>/dev/null; then
 else
   case ",${EXTRAS}," in
     *,test-all,*) step "installing phalanx with [${EXTRAS}]: about 2 minutes, plus 3-10 minutes to build llama-cpp-python from source the first time (pip keeps the wheel)" ;;
-    *,test,*) step "installing phalanx with [${EXTRAS}]: about 2 minutes (Ray, transformers, playwright, ...)" ;;
+    *,test,*) step "installing phalanx with [${EXTRAS}]: about 2 minutes (Ray, transformers, playwright, lm-eval, ...)" ;;
     *,all,*) step "installing phalanx with [${EXTRAS}]: about 40 s (serving, the run store and dashboard, exports, ...)" ;;
     ,,) step "installing phalanx's core (it trains; no serving, store or exports): about 30 s" ;;
     *) step "installing phalanx with [${EXTRAS}]" ;;

@@ -194,9 +194,10 @@ def test_the_extras_tables_agree():
             assert {canonicalize_name(d) for d in providers[module]} & listed, f"[{extra}] does not install {module}"
     in_all = set().union(*(Requirement(line).extras for line in extras["all"]))
     assert in_all == set(EXTRA_MODULES)
-    assert "all" in set().union(
+    in_test = set().union(
         *(Requirement(line).extras for line in extras["test"] if canonicalize_name(Requirement(line).name) == "phalanx")
     )
+    assert {"all", "eval"} <= in_test  # eval: lm-evaluation-harness, which tests/serve/test_serve_lm_eval.py runs
     # Nothing an extra installs is a core dependency too (it would then be in the core, not an extra).
     core = {canonicalize_name(Requirement(line).name) for line in PROJECT["dependencies"]}
     assert not core & {canonicalize_name(r.name) for r in extra_requirements("all")}

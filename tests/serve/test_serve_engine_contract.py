@@ -48,6 +48,7 @@ def test_the_protocols_name_what_the_callers_and_the_scheduler_use():
         "device",
         "kv_cache_bytes",
         "observer",
+        "scores_prompts",
     } <= members(ServingEngine)
     assert {
         "join_all",

@@ -70,16 +70,26 @@ def test_sampled_logprobs_are_the_models_not_the_tempered(oai):
 
 
 def test_completions_legacy_logprobs(oai):
+    """echo with logprobs lists the prompt's tokens first (scored given the tokens before them; the BOS
+    phalanx adds is not listed), then the generated ones; text_offset counts from the echoed text's start."""
     response = oai.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=8, temperature=0, logprobs=2, echo=True)
     choice = response.choices[0]
     legacy = choice.logprobs
-    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 8
+    prompt_tokens = response.usage.prompt_tokens - 1  # less the BOS
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == prompt_tokens + 8
+    assert "".join(legacy.tokens[:prompt_tokens]) == "ROMEO:"
     if not any("\ufffd" in t for t in legacy.tokens):  # no token split a character
-        assert choice.text == "ROMEO:" + "".join(legacy.tokens)
-    assert legacy.text_offset[0] == len("ROMEO:")
+        assert choice.text == "".join(legacy.tokens)
+    assert legacy.text_offset[0] == 0 and legacy.text_offset[prompt_tokens] == len("ROMEO:")
     assert all(b - a == len(t) for a, b, t in zip(legacy.text_offset, legacy.text_offset[1:], legacy.tokens))
     for token, logprob, top in zip(legacy.tokens, legacy.token_logprobs, legacy.top_logprobs):
-        assert len(top) == 2 and max(top.values()) == logprob and top[token] == logprob
+        # The two likeliest and the token itself (OpenAI's legacy form): a greedy token is among them.
+        assert logprob <= 0 and top[token] == logprob and max(top.values()) >= logprob and len(top) <= 3
+    generated = zip(legacy.token_logprobs[prompt_tokens:], legacy.top_logprobs[prompt_tokens:])
+    assert all(len(top) == 2 and max(top.values()) == logprob for logprob, top in generated)
+    plain = oai.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=8, temperature=0, logprobs=2)
+    assert plain.choices[0].logprobs.tokens == legacy.tokens[prompt_tokens:]
+    assert plain.choices[0].logprobs.text_offset[0] == 0
 
 
 def test_ollama_logprobs(oll, http):

@@ -3,6 +3,11 @@
 text pieces that ends in one Finish; cancel() on the stream frees the request's slot at the next step.
 QueueFull and PromptTooLong refuse a request at submit, before it holds anything. Every engine (torch,
 llama.cpp, vLLM in serve/engines/) implements ServingEngine; the callers depend on that alone.
+
+A request may also ask for its prompt to be scored (prompt_logprobs, where the engine's scores_prompts
+says it can): the log-probability of each prompt token after the first given the tokens before it, as
+the prefill computes them, handed over on the stream before its first piece. With max_tokens 0 such a
+request is scored and ends ("length") without generating.
 """
 
 from __future__ import annotations
@@ -74,6 +79,9 @@ class RequestStream:
         self.finish: Finish | None = None
         self.cancelled = False
         self.logprobs: list[dict] = []  # every piece's, in order (for replies that are not streamed)
+        # Scored prompts only: one entry per prompt token after the first (the first has nothing before it
+        # to be conditioned on), set by the engine before it delivers the first piece or the finish.
+        self.prompt_logprobs: list[dict] | None = None
         self._loop = loop
         self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
 
@@ -119,11 +127,16 @@ class Request:
     submitted_at: float
     constraint: TokenConstraint | None = None  # structured output: the grammar the tokens must follow
     top_logprobs: int | None = None  # None: no log-probabilities; k: each token's and its k likeliest
+    prompt_logprobs: int | None = None  # None: the prompt is not scored; k: as top_logprobs, for its tokens
+    # The token that ends the reply (end of text) gets a log-probability entry too: OpenAI's legacy
+    # completions list it, and a client that drops the last entry as the generated one relies on that.
+    list_stop_token: bool = False
 
 
 class ServingEngine(Protocol):
     """What a caller may use of an engine. Capacity: `slots` requests run at once, `max_queue` more wait,
-    each within `context` tokens (prompt and reply); `active` and `waiting` say how many there are now."""
+    each within `context` tokens (prompt and reply); `active` and `waiting` say how many there are now.
+    scores_prompts: whether submit takes prompt_logprobs."""
 
     slots: int
     max_queue: int
@@ -131,6 +144,7 @@ class ServingEngine(Protocol):
     vocabulary: TokenVocabulary  # token bytes, and grammars for structured output
     device: torch.device
     observer: EngineObserver | None
+    scores_prompts: bool
 
     @property
     def kv_cache_bytes(self) -> int: ...
@@ -149,6 +163,8 @@ class ServingEngine(Protocol):
         loop: asyncio.AbstractEventLoop | None = None,
         constraint: TokenConstraint | None = None,
         top_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        list_stop_token: bool = False,
     ) -> RequestStream: ...
     def start(self) -> None: ...
     def stop(self, timeout: float = 10.0) -> None: ...

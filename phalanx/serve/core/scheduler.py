@@ -137,24 +137,44 @@ class SlotScheduler:
         loop: asyncio.AbstractEventLoop | None = None,
         constraint: TokenConstraint | None = None,
         top_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        list_stop_token: bool = False,
     ) -> RequestStream:
         """Queue a request; raises PromptTooLong or QueueFull at once rather than failing later.
         context_limit (a request's num_ctx) can only narrow the engine's context. constraint: a grammar
         from vocabulary.constraint(), one per request; top_logprobs: None for no log-probabilities, k for
-        each token's own and its k likeliest alternatives'."""
+        each token's own and its k likeliest alternatives'; prompt_logprobs: the same for the prompt's
+        tokens (engines whose scores_prompts is true); list_stop_token: the end-of-text token that ends
+        the reply gets its entry too."""
+        if prompt_logprobs is not None and not getattr(self.steps, "scores_prompts", False):
+            raise ValueError("this engine cannot score prompts (its scores_prompts is false)")
         context = min(context_limit or self.context, self.context)
         n = len(prompt_ids)
         if n == 0:
             raise PromptTooLong("the prompt is empty")
-        if n >= context:
+        # A prompt only scored (max_tokens 0) may fill the context; anything else needs room for a token.
+        scored_only = prompt_logprobs is not None and options.max_tokens == 0
+        if n > context or (n == context and not scored_only):
+            fits = context if scored_only else context - 1
             raise PromptTooLong(
-                f"the prompt is {n} tokens but the context holds {context}, leaving no room "
-                f"for a reply; shorten it to at most {context - 1} tokens"
+                f"the prompt is {n} tokens but the context holds {context}"
+                + ("" if scored_only else ", leaving no room for a reply")
+                + f"; shorten it to at most {fits} tokens"
             )
         room = context - n
         limit = room if options.max_tokens is None else min(options.max_tokens, room)
         stream = RequestStream(n, loop)
-        request = Request(list(prompt_ids), options, limit, stream, time.perf_counter(), constraint, top_logprobs)
+        request = Request(
+            list(prompt_ids),
+            options,
+            limit,
+            stream,
+            time.perf_counter(),
+            constraint,
+            top_logprobs,
+            prompt_logprobs,
+            list_stop_token,
+        )
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
@@ -212,6 +232,8 @@ class SlotScheduler:
         if constraint is not None:
             constraint.accept(token)
         if token in self.stop_ids and not run.request.options.ignore_eos:
+            if run.logprobs is not None and run.request.list_stop_token:
+                run.logprobs.append(self.steps.logprob_entry(token, scores, run.request.top_logprobs))
             return self.finish(run, "stop")
         if run.logprobs is not None:
             run.logprobs.append(self.steps.logprob_entry(token, scores, run.request.top_logprobs))
@@ -239,6 +261,26 @@ class SlotScheduler:
             else [self.token_logprob(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
         )
         return entry
+
+    def prompt_entries(self, prompt_ids: list[int], logprobs_TV: torch.Tensor, k: int) -> list[dict]:
+        """Scored prompt tokens' entries (as logits_logprob_entry's): row i of logprobs_TV is the model's
+        log-softmax after prompt_ids[:i + 1], so it scores prompt_ids[i + 1]."""
+        targets = torch.tensor(prompt_ids[1 : len(logprobs_TV) + 1], dtype=torch.long, device=logprobs_TV.device)
+        taken = logprobs_TV.gather(1, targets[:, None])[:, 0].tolist()
+        top = torch.topk(logprobs_TV, min(k, logprobs_TV.shape[-1])) if k else None
+        entries = []
+        for i, (token, logprob) in enumerate(zip(targets.tolist(), taken)):
+            entry = self.token_logprob(token, logprob)
+            entry["top_logprobs"] = (
+                []
+                if top is None
+                else [
+                    self.token_logprob(int(t), float(v))
+                    for v, t in zip(top.values[i].tolist(), top.indices[i].tolist())
+                ]
+            )
+            entries.append(entry)
+        return entries
 
     def finish(self, run: Running, reason: str, error: str | None = None) -> None:
         stream = run.request.stream
@@ -271,7 +313,7 @@ class SlotScheduler:
         does not have."""
         if request.stream.cancelled:
             self.finish_unstarted(request, "cancelled")
-        elif request.limit == 0:
+        elif request.limit == 0 and request.prompt_logprobs is None:  # a scored prompt still needs its prefill
             self.finish_unstarted(request, "length")
         elif (
             vocab_size is not None
@@ -352,6 +394,7 @@ class ScheduledEngine:
 
     scheduler: SlotScheduler
     prefill_budget: float = float("inf")
+    scores_prompts: bool = False  # an engine that can score prompts (prompt_logprobs) says so
 
     def run_thread(self, loop: Callable[[], None]) -> None:
         loop()

@@ -28,6 +28,7 @@ import torch
 
 from phalanx.models.decoder import KVCache, Transformer
 from phalanx.models.token_pass import Cached, TokenPass, causal_sdpa, check_length, heads_last
+from phalanx.serve.engines.prompt_scoring import KeepRows
 from phalanx.serve.engines.row_invariant import RowInvariantLinear
 
 # Prompt tokens one step boundary prefills together at most (torch_engine.py's prefill_budget; a longer prompt
@@ -116,12 +117,16 @@ class PackedPrompts(TokenPass):
         return h_1TD[:, self.last]
 
 
-def prefill_together(model: Transformer, prompts: list[list[int]], cache: KVCache, rows: list[int]) -> torch.Tensor:
+def prefill_together(
+    model: Transformer, prompts: list[list[int]], cache: KVCache, rows: list[int], keep: KeepRows | None = None
+) -> torch.Tensor:
     """Prefill prompts[i] into cache row rows[i] from position 0, all in one pass; the logits (n, V) of
-    each prompt's last token."""
+    each prompt's last token. keep: hidden rows to keep for scoring prompts (prompt_scoring.py), its
+    spans counted along the prompts laid end to end."""
     device = model.tok_embeddings.weight.device
     tokens_1T = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=device)
-    return model(tokens_1T, PackedPrompts([len(p) for p in prompts], cache, rows, device))[0]
+    packed = PackedPrompts([len(p) for p in prompts], cache, rows, device)
+    return model(tokens_1T, packed if keep is None else keep.around(packed))[0]
 
 
 def chunk_plan(length: int, size: int) -> list[tuple[int, int]]:
@@ -131,12 +136,15 @@ def chunk_plan(length: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
-def prefill_chunk(model: Transformer, chunk: list[int], cache: KVCache, start: int) -> torch.Tensor:
+def prefill_chunk(
+    model: Transformer, chunk: list[int], cache: KVCache, start: int, keep: KeepRows | None = None
+) -> torch.Tensor:
     """Prefill one chunk of a prompt, the tokens at positions start.., into `cache` (one row) after the
     prompt's earlier chunks there; the logits (V,) of the chunk's last token (the prompt's next-token
     logits when it is the last chunk). A chunk's queries attend causally over the cached positions before
     it and itself. Only the last row goes through the final norm and the output layer: the other rows'
-    logits are never used."""
+    logits are never used (keep: the rows a scored prompt keeps, its spans counted within the chunk)."""
     device = model.tok_embeddings.weight.device
     tokens_1T = torch.tensor([chunk], dtype=torch.long, device=device)
-    return model(tokens_1T, Cached(cache, start, last_only=True))[0, -1]
+    cached = Cached(cache, start, last_only=True)
+    return model(tokens_1T, cached if keep is None else keep.around(cached))[0, -1]

@@ -42,6 +42,9 @@ its row, and it ends with "stop" once the grammar is complete) and ask for log-p
 token's log-softmax under the model's raw logits (before penalties, temperature, filters or the grammar's
 mask, as OpenAI reports them) with the k likeliest alternatives, carried by the piece its text ends up in.
 Neither changes which token a row takes: greedy rows without a grammar still take the batch's argmax.
+A request may also have its prompt scored (prompt_logprobs: OpenAI's echo with logprobs): its prefill
+keeps the hidden rows of every prompt position and scores them through the head apart from the pass
+(prompt_scoring.py), so nothing else in the pass changes; with max_tokens 0 it ends there.
 
 No single request can stop the thread: a failure in one request's set-up, sampling or text decoding
 fails that request alone (reason "error"), and only a failed batched forward fails the requests of that
@@ -75,6 +78,7 @@ from phalanx.serve.engines.prefill import (
     prefill_rows_agree,
     prefill_together,
 )
+from phalanx.serve.engines.prompt_scoring import KeepRows, row_logprobs, scored_span
 from phalanx.serve.engines.row_invariant import make_rows_invariant
 
 log = logging.getLogger("phalanx.serve")
@@ -93,6 +97,7 @@ class _Running:
     generated: int = 0
     first_token_at: float | None = None
     logprobs: list[dict] | None = None  # entries whose text has not been handed out yet
+    prompt_scores: list[dict] | None = None  # a scored prompt's entries so far (its chunks come one by one)
 
 
 class _SlotCache:
@@ -134,6 +139,8 @@ def step_span(longest: int, context: int) -> int:
 
 class Engine(ScheduledEngine):
     """The torch engine: the module's docstring; its scheduler (serve/core/scheduler.py) runs it."""
+
+    scores_prompts = True
 
     def __init__(
         self,
@@ -234,23 +241,52 @@ class Engine(ScheduledEngine):
             started = time.perf_counter()
             for run in group:
                 run.prefill_started_at = started
+            keep = self._keep_for_scoring(group)
             try:
-                logits_NV = self._prefill(group)
+                logits_NV = self._prefill(group, keep)
             except Exception as e:  # the prefill itself: fail the requests in it, keep serving
                 log.exception("prefill failed")
                 for run in group:
                     self.scheduler.finish(run, "error", f"generation failed: {e}")
                 continue
-            for run, logits_V in zip(group, logits_NV):  # each on its own: a bad sample fails that request alone
+            for i, (run, logits_V) in enumerate(zip(group, logits_NV)):  # each on its own: one failure fails one
                 try:
                     if self.observer:
                         self.observer.prompt_prefilled(len(run.request.prompt_ids))
-                    self.scheduler.take(run, run.sampler.pick(logits_V, run.request.constraint), logits_V)
+                    if keep is not None and run.prompt_scores is not None:
+                        self._score(run, keep.kept[i], 0)
+                    self._first_token(run, logits_V)
                 except Exception as e:
                     log.exception("first token failed")
                     self.scheduler.finish(run, "error", f"generation failed: {e}")
         if self._chunking:
             self._prefill_next_chunk()
+
+    def _keep_for_scoring(self, group: list[_Running]) -> KeepRows | None:
+        """Where a batched (or lone) prefill of `group` keeps the hidden rows of its scored prompts, along
+        the prompts laid end to end; None when none of them is scored."""
+        if all(run.prompt_scores is None for run in group):
+            return None
+        spans, at = [], 0
+        for run in group:
+            n = len(run.request.prompt_ids)
+            spans.append((at, at + n - 1) if run.prompt_scores is not None else (at, at))
+            at += n
+        return KeepRows(spans)
+
+    def _score(self, run: _Running, hidden_TD: torch.Tensor, start: int) -> None:
+        """Score the prompt tokens after `start` that these hidden rows predict; once the whole prompt is
+        scored, the entries go to the stream (before its first piece)."""
+        prompt = run.request.prompt_ids
+        logprobs_TV = row_logprobs(self.model, hidden_TD)
+        run.prompt_scores += self.scheduler.prompt_entries(prompt[start:], logprobs_TV, run.request.prompt_logprobs)
+        if len(run.prompt_scores) == len(prompt) - 1:
+            run.request.stream.prompt_logprobs = run.prompt_scores
+
+    def _first_token(self, run: _Running, logits_V: torch.Tensor) -> None:
+        if run.request.limit == 0:  # a prompt only scored (max_tokens 0): done once prefilled
+            return self.scheduler.finish(run, "length")
+        self.scheduler.take(run, run.sampler.pick(logits_V, run.request.constraint), logits_V)
 
     def _prefill_next_chunk(self) -> None:
         """One chunk of the first chunking prompt; after its last, the prompt joins the decoding rows and
@@ -263,8 +299,11 @@ class Engine(ScheduledEngine):
         end = dict(chunk_plan(len(prompt), self.prefill_chunk))[start]
         if start == 0:
             run.prefill_started_at = time.perf_counter()
+        keep = None if run.prompt_scores is None else KeepRows([scored_span(start, end, len(prompt))])
         try:
-            logits_V = prefill_chunk(self.model, prompt[start:end], self._chunk_cache, start)
+            logits_V = prefill_chunk(self.model, prompt[start:end], self._chunk_cache, start, keep)
+            if keep is not None:
+                self._score(run, keep.kept[0], start)
         except Exception as e:  # this prompt's pass alone: fail it, keep serving the others
             log.exception("prefill failed")
             return self.scheduler.finish(run, "error", f"generation failed: {e}")
@@ -273,6 +312,10 @@ class Engine(ScheduledEngine):
             return
         self._chunking.popleft()
         self._chunked_to = 0
+        if run.request.limit == 0:  # scored only: it never needs a cache row
+            if self.observer:
+                self.observer.prompt_prefilled(len(prompt))
+            return self.scheduler.finish(run, "length")
         # Into the next packed row; it decodes from the next step on.
         row = self._rows[run.slot] = len(self._rows)
         for k, v, chunk_k, chunk_v in zip(self.cache.k, self.cache.v, self._chunk_cache.k, self._chunk_cache.v):
@@ -281,27 +324,32 @@ class Engine(ScheduledEngine):
         try:
             if self.observer:
                 self.observer.prompt_prefilled(len(prompt))
-            self.scheduler.take(run, run.sampler.pick(logits_V, run.request.constraint), logits_V)
+            self._first_token(run, logits_V)
         except Exception as e:
             log.exception("first token failed")
             self.scheduler.finish(run, "error", f"generation failed: {e}")
 
-    def _prefill(self, group: list[_Running]) -> torch.Tensor:
-        """Each run's prompt into its cache row; the logits (n, V) of each prompt's last token."""
+    def _prefill(self, group: list[_Running], keep: KeepRows | None) -> torch.Tensor:
+        """Each run's prompt into its cache row; the logits (n, V) of each prompt's last token (and the
+        scored prompts' hidden rows into `keep`)."""
         if self.batched_prefill:
             return prefill_together(
                 self.model,
                 [run.request.prompt_ids for run in group],
                 self.cache,
                 [self._rows[run.slot] for run in group],
+                keep,
             )
         (run,) = group  # one at a time, through the model's own forward
         prompt_1T = torch.tensor([run.request.prompt_ids], dtype=torch.long, device=self.device)
-        return self.model(prompt_1T, Cached(_SlotCache(self.cache, self._rows[run.slot])))[:, -1]
+        cached = Cached(_SlotCache(self.cache, self._rows[run.slot]))
+        return self.model(prompt_1T, cached if keep is None else keep.around(cached))[:, -1]
 
     def _start(self, slot: int, request: Request) -> _Running | None:
         """A joining request's running state in the next free cache row; None if it ends before a prefill."""
-        if self.scheduler.ends_before_start(request):
+        # The vocabulary check too: a token-id prompt (OpenAI's completions) with an id the embedding lacks
+        # would fail the whole batched pass it joined.
+        if self.scheduler.ends_before_start(request, self.model.args.vocab_size):
             return None
         try:
             run = _Running(
@@ -313,6 +361,7 @@ class Engine(ScheduledEngine):
                 StopMatcher(request.options.stop),
                 time.perf_counter(),
                 logprobs=None if request.top_logprobs is None else [],
+                prompt_scores=None if request.prompt_logprobs is None else [],
             )
         except Exception as e:  # options no validation caught (a seed torch cannot take, say)
             log.exception("request set-up failed")

@@ -1,6 +1,7 @@
 """The FastAPI app of `phalanx serve`: Ollama's and OpenAI's APIs over one engine (generation and
-embeddings), /health, /metrics; HEAD on every GET route (serve/http/methods.py), 405s with `Allow`, and
-keep_alive's loading and unloading of the weights (serve/http/keep_alive.py).
+embeddings), vLLM's tokenizer endpoints, /health, /metrics; HEAD on every GET route
+(serve/http/methods.py), 405s with `Allow`, and keep_alive's loading and unloading of the weights
+(serve/http/keep_alive.py).
 
 Middleware, outermost first: request counting (sees every answer, refusals included), the guard against
 web pages (phalanx/http_guard.py: Host, Origin, JSON bodies, body time), then the API key check (every
@@ -29,6 +30,7 @@ from phalanx.serve.http.methods import AnswerHead, allow_header, asked_method
 from phalanx.serve.http.metrics import ServeMetrics
 from phalanx.serve.http.ollama.routes import ollama_router
 from phalanx.serve.http.openai.routes import openai_router
+from phalanx.serve.http.tokenizer.routes import tokenizer_router
 
 log = logging.getLogger("phalanx.serve")
 
@@ -114,6 +116,7 @@ def create_app(
         ollama_router(served, engine, residency),
         openai_router(served, engine, residency),
         embeddings_router(served, engine, residency),
+        tokenizer_router(served, engine),
     ]
     for router in routers:
         app.include_router(router)

@@ -62,23 +62,46 @@ def submit_samples(
     constraints: list[TokenConstraint | None],
     top_logprobs: int | None = None,
     context_limit: int | None = None,
+    **scoring: Any,
 ) -> list[RequestStream]:
     """One engine request per constraint (n samples: n of them, None without a format); all or none (a
-    refusal cancels those already queued). Synchronous: nothing else runs between the submits."""
+    refusal cancels those already queued). Synchronous: nothing else runs between the submits. scoring:
+    the engine's prompt_logprobs and list_stop_token, for OpenAI's completions."""
+    return submit_prompts(engine, request, [prompt_ids], options, constraints, top_logprobs, context_limit, **scoring)
+
+
+def submit_prompts(
+    engine: ServingEngine,
+    request: Request,
+    prompts: list[list[int]],
+    options: SamplingOptions,
+    constraints: list[TokenConstraint | None],
+    top_logprobs: int | None = None,
+    context_limit: int | None = None,
+    **scoring: Any,
+) -> list[RequestStream]:
+    """submit_samples for several prompts (OpenAI's completions take a list): every prompt's samples, in
+    the order prompt 0's, prompt 1's, ..., so stream i is choice i. They are queued one after another
+    with no await between, so they join the engine's step boundaries together as its free slots and
+    prefill budget allow, and are prefilled in the same batched passes; all or none."""
+    if len(prompts) > 1 and any(c is not None for c in constraints):
+        raise ValueError("a grammar state follows one request: build constraints per prompt")
     streams: list[RequestStream] = []
     try:
-        for i, constraint in enumerate(constraints):
-            streams.append(
-                submit(
-                    engine,
-                    prompt_ids,
-                    sample_options(options, i),
-                    request,
-                    context_limit=context_limit,
-                    constraint=constraint,
-                    top_logprobs=top_logprobs,
+        for prompt_ids in prompts:
+            for i, constraint in enumerate(constraints):
+                streams.append(
+                    submit(
+                        engine,
+                        prompt_ids,
+                        sample_options(options, i),
+                        request,
+                        context_limit=context_limit,
+                        constraint=constraint,
+                        top_logprobs=top_logprobs,
+                        **scoring,
+                    )
                 )
-            )
     except BaseException:
         for stream in streams:
             stream.cancel()

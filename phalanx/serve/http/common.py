@@ -7,7 +7,8 @@ spell but no tokenizer can encode), nesting deeper than MAX_JSON_DEPTH, integers
 non-finite numbers (`1e309` parses to infinity).
 
 Ollama's errors are {"error": "message"}; OpenAI's are {"error": {"message", "type", "param", "code"}}.
-Which one a response uses follows from its path: /v1/... is OpenAI, everything else Ollama's.
+Which one a response uses follows from its path: /v1/... (and vLLM's /tokenize, /detokenize and
+/tokenizer_info) is OpenAI, everything else Ollama's.
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ class ApiError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
+# vLLM's tokenizer endpoints (serve/http/tokenizer/), outside /v1/ but answered in OpenAI's shape, as vLLM does.
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+
+
 def is_openai_path(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    return path == "/v1" or path.startswith("/v1/") or path in TOKENIZER_PATHS
 
 
 def error_response(path: str, error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -2,10 +2,11 @@
 
 Streams are server-sent events: for chat, the first chunk carries the assistant role, content follows in
 deltas, the last choice chunk carries finish_reason, then (with stream_options.include_usage) a chunk of
-usage with no choices, then `data: [DONE]`. /v1/completions continues the prompt as plain text (BOS
-where the tokenizer has one, then the text); chat renders the messages with the chat template. With n > 1 the samples' chunks
-interleave, each choice by its index (serve/http/choices.py); replies.py shapes choices, tool calls and
-log-probabilities.
+usage with no choices, then `data: [DONE]`. /v1/completions continues each of its prompts as plain text
+(BOS where the tokenizer has one, then the text or the token ids: openai/prompts.py), and with echo and
+logprobs scores the prompt's tokens in the engine's prefill; chat renders the messages with the chat
+template. With n > 1 or several prompts the choices' chunks interleave, each by its index
+(serve/http/choices.py); replies.py shapes choices, tool calls and log-probabilities.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import phalanx
 from phalanx.serve.core.contract import Finish, RequestStream, ServingEngine
 from phalanx.serve.core.served import ServedModel
 from phalanx.serve.core.structured_output import FormatError, openai_format_schema
-from phalanx.serve.http.choices import build_constraints, collect_samples, merged, submit_samples
+from phalanx.serve.http.choices import build_constraints, collect_samples, merged, submit_prompts
 from phalanx.serve.http.common import ApiError, parse_body, read_json, streamed_error
 from phalanx.serve.http.keep_alive import ModelResidency
+from phalanx.serve.http.openai.prompts import completion_prompts, model_vocab_size
 from phalanx.serve.http.openai.replies import ChatReply, CompletionReply, Reply
 from phalanx.serve.http.openai.schema import ChatCompletionRequest, CompletionRequest
 from phalanx.serve.http.tool_calls import ToolError, call_schema, forced_tools, read_tools, template_messages
@@ -34,9 +36,10 @@ from phalanx.serve.http.tool_calls import ToolError, call_schema, forced_tools, 
 FINGERPRINT = f"phalanx-{phalanx.__version__}"
 
 
-def _usage(finishes: list[Finish]) -> dict[str, int]:
-    # n samples share one prompt: it counts once, as OpenAI counts it.
-    prompt, completion = finishes[0].prompt_tokens, sum(f.completion_tokens for f in finishes)
+def _usage(finishes: list[Finish], n: int) -> dict[str, int]:
+    # n samples share one prompt: each prompt counts once, as OpenAI counts it.
+    prompt = sum(f.prompt_tokens for f in finishes[::n])
+    completion = sum(f.completion_tokens for f in finishes)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -68,17 +71,20 @@ def openai_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
     async def respond(
         request: Request,
         body: ChatCompletionRequest | CompletionRequest,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         max_tokens: int | None,
         template_stops: list[str],
         kind: str,
         reply: Reply,
         schema: dict[str, Any] | None = None,
+        **scoring: Any,
     ):
-        options, top_logprobs = body.sampling(max_tokens, template_stops), body.top_logprobs_asked
-        constraints = await build_constraints(engine, request, schema, body.n or 1, "response_format")
+        """prompts: one (chat) or several (completions), each answered with n choices; scoring: the
+        engine's prompt_logprobs and list_stop_token."""
+        options, top_logprobs, n = body.sampling(max_tokens, template_stops), body.top_logprobs_asked, body.n or 1
+        constraints = await build_constraints(engine, request, schema, n, "response_format")
         await residency.ready()  # loads the weights if keep_alive took them out; no await from here to the submit
-        streams = submit_samples(engine, request, prompt_ids, options, constraints, top_logprobs=top_logprobs)
+        streams = submit_prompts(engine, request, prompts, options, constraints, top_logprobs, **scoring)
         for stream in streams:
             residency.track(stream)
         head = {
@@ -91,26 +97,46 @@ def openai_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
         if not body.stream:
             texts = await collect_samples(request, streams)
             choices = [
-                reply.whole(i, text, s.finish.reason, s.logprobs) for i, (text, s) in enumerate(zip(texts, streams))
+                reply.whole(i, text, s.finish.reason, s.logprobs, s.prompt_logprobs)
+                for i, (text, s) in enumerate(zip(texts, streams))
             ]
-            return JSONResponse({**head, "choices": choices, "usage": _usage([s.finish for s in streams])})
+            return JSONResponse({**head, "choices": choices, "usage": _usage([s.finish for s in streams], n)})
         head["object"] = f"{kind}.chunk" if kind == "chat.completion" else kind
         return StreamingResponse(
-            _events(request, streams, head, body.include_usage, reply), media_type="text/event-stream"
+            _events(request, streams, head, body.include_usage, reply, n), media_type="text/event-stream"
         )
 
     async def _events(
-        request: Request, streams: list[RequestStream], head: dict[str, Any], include_usage: bool, reply: Reply
+        request: Request,
+        streams: list[RequestStream],
+        head: dict[str, Any],
+        include_usage: bool,
+        reply: Reply,
+        n: int,
     ) -> AsyncIterator[str]:
         usage_none = {"usage": None} if include_usage else {}
 
         def event(choice: dict[str, Any]) -> str:
             return _sse({**head, "choices": [choice], **usage_none})
 
-        for i in range(len(streams)):
-            for opening in reply.opening(i):
-                yield event(opening)
+        opened: set[int] = set()
+
+        def open_choice(i: int) -> list[str]:
+            # A choice opens once; where its opening lists the prompt's scores, at its first piece or its
+            # end, by when the engine has set them (before it delivered either).
+            if i in opened:
+                return []
+            opened.add(i)
+            return [event(opening) for opening in reply.opening(i, streams[i].prompt_logprobs)]
+
+        if not reply.opens_after_prefill:
+            for i in range(len(streams)):
+                for opening in open_choice(i):
+                    yield opening
         async for i, piece in merged(streams):
+            if piece is not None or streams[i].finish.reason not in ("error", "cancelled"):
+                for opening in open_choice(i):
+                    yield opening
             if piece is not None:
                 if (delta := reply.delta(i, piece)) is not None:
                     yield event(delta)
@@ -124,7 +150,7 @@ def openai_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
             for last in reply.closing(i, finish.reason):
                 yield event(last)
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage([s.finish for s in streams])})
+            yield _sse({**head, "choices": [], "usage": _usage([s.finish for s in streams], n)})
         yield _sse("[DONE]")
 
     @router.post("/v1/chat/completions")
@@ -159,7 +185,7 @@ def openai_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
         return await respond(
             request,
             body,
-            prompt_ids,
+            [prompt_ids],
             body.new_tokens,
             served.chat_stops,
             "chat.completion",
@@ -171,16 +197,37 @@ def openai_router(served: ServedModel, engine: ServingEngine, residency: ModelRe
     async def completions(request: Request):
         body = parse_body(CompletionRequest, await read_json(request))
         check_model(body.model)
-        text = body.prompt_text
-        prompt_ids = await asyncio.to_thread(served.text_prompt_ids, text)
+        top_logprobs, n = body.top_logprobs_asked, body.n or 1
+        scored = body.echo and top_logprobs is not None  # the prompt's tokens listed with their scores
+        if scored and not engine.scores_prompts:
+            raise ApiError(
+                400,
+                "echo with logprobs needs the prompt's log-probabilities, which this server's engine cannot "
+                "compute; serve with --engine torch (or drop echo or logprobs)",
+                param="echo",
+            )
+        vocab_size = model_vocab_size(served, engine.vocabulary.model_vocab)
+        prompts = await asyncio.to_thread(  # off the event loop: a megabyte of text takes a while to encode
+            completion_prompts, served, body.prompt, vocab_size, body.add_special_tokens
+        )
+        if len(prompts) * n > engine.slots + engine.max_queue:  # else it could never be queued, even idle
+            raise ApiError(
+                400,
+                f"this request holds {len(prompts)} prompts x n={n}, more than this server takes at once "
+                f"({engine.slots} slots and {engine.max_queue} queue places); send at most "
+                f"{engine.slots + engine.max_queue} per request",
+                param="prompt",
+            )
         return await respond(
             request,
             body,
-            prompt_ids,
+            [p.ids for p in prompts],
             body.max_tokens,
             [],
             "text_completion",
-            CompletionReply(text if body.echo else "", body.top_logprobs_asked is not None),
+            CompletionReply(prompts, n, body.echo, top_logprobs is not None, engine.vocabulary),
+            prompt_logprobs=top_logprobs if scored else None,
+            list_stop_token=top_logprobs is not None,
         )
 
     @router.get("/v1/models")

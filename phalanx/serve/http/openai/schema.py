@@ -3,7 +3,8 @@
 Beyond OpenAI's own sampling fields, top_k, min_p, repeat_penalty and repeat_last_n are accepted (as
 llama.cpp's and vLLM's servers do; the openai client sends them through `extra_body`). `n`,
 log-probabilities, `response_format` (structured output) and tools are honoured. Fields phalanx cannot
-honour (logit bias, best_of) are accepted only at their "off" value and refused by name otherwise.
+honour (logit bias, best_of: several samples of which one is returned, suffix) are accepted only at
+their "off" value and refused by name otherwise.
 Integers are int64 and numbers finite, temperature 0 to 2 as OpenAI documents it.
 """
 
@@ -130,11 +131,12 @@ class ChatCompletionRequest(_OpenAIRequest):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[str]
-    max_tokens: Int64 | None = Field(16, ge=0)  # OpenAI's default for completions
+    prompt: Any  # a string, strings, token ids or lists of them: checked by openai/prompts.py, one line per fault
+    max_tokens: Int64 | None = Field(16, ge=0)  # OpenAI's default for completions; 0 with echo: score only
     echo: bool = False
     suffix: str | None = None
     best_of: Int64 | None = None
+    add_special_tokens: bool = True  # vLLM's: false sends every prompt exactly as given, without BOS
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIRequest.UNSUPPORTED, "suffix": ("",), "best_of": (1,)}
 
@@ -146,13 +148,3 @@ class CompletionRequest(_OpenAIRequest):
         if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 5:
             raise ApiError(400, "logprobs must be an integer from 0 to 5", param="logprobs")
         return self.logprobs
-
-    @property
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise ApiError(
-                400, "phalanx serve takes one prompt per request (a string, or a list of one string)", param="prompt"
-            )
-        return self.prompt[0]
