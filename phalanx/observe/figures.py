@@ -104,6 +104,10 @@ NO_DEVICE_TELEMETRY = (
     "pip install 'phalanx[nvidia]') nor amdsmi (AMD)"
 )
 
+# A mixture of experts' routing balance: the worst MoE layer's curve and the layer-by-step heatmap.
+MOE_CHARTS = ("moe_imbalance", "moe_heatmap")
+NOT_MOE = "not a mixture of experts: no step reported its experts' routing balance"
+
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 _BASE_LAYOUT: dict[str, Any] = {
@@ -200,7 +204,9 @@ def run_figures(data: dict[str, Any], options: ChartOptions = ChartOptions()) ->
         axis.layout(figures[field])
         if field in MARKED:
             add_marks(figures[field], marks, legend=False)  # a small chart: its legend would cover the axis
+    figures["moe_imbalance"] = moe_imbalance_figure(series, axis, options)
     figures["heatmap"] = heatmap_figure(data["heatmap"])
+    figures["moe_heatmap"] = moe_heatmap_figure(data["moe_heatmap"])
     figures["events"] = events_figure(data["events"], data.get("event_steps"), axis)
     figures["goodput"] = goodput_figure(data["goodput"])
     figures.update(system_figures(data.get("telemetry") or {"host": [], "devices": []}))
@@ -244,12 +250,21 @@ def hidden_charts(data: dict[str, Any]) -> dict[str, str]:
         for field, reason in NEVER_REPORTED.items():
             if not any(v is not None for v in series[field]):
                 hidden[field] = reason
+    if not routes_through_experts(data):
+        hidden.update(dict.fromkeys(MOE_CHARTS, NOT_MOE))
     telemetry = data.get("telemetry") or {"host": [], "devices": []}
     if not telemetry["host"] and not telemetry["devices"]:
         hidden.update({name: NO_TELEMETRY for name, *_ in SYSTEM_CHARTS})
     elif not telemetry["devices"]:
         hidden.update({name: NO_DEVICE_TELEMETRY for name, source, *_ in SYSTEM_CHARTS if source == "devices"})
     return hidden
+
+
+def routes_through_experts(data: dict[str, Any]) -> bool:
+    """Whether the run is a mixture of experts, as its steps tell (the dashboard does not resolve model
+    presets or checkpoints): a dense run never reports a routing balance, so its expert charts are left
+    out from the start rather than drawn empty; an MoE run's appear with its first step."""
+    return bool(data["moe_heatmap"]["layers"]) or any(v is not None for v in data["series"]["moe_imbalance"])
 
 
 def mfu_note(data: dict[str, Any]) -> str | None:
@@ -403,8 +418,6 @@ def heatmap_figure(heatmap: dict[str, Any]) -> Figure:
     """Ranks down, steps (or bins of steps) across, each rank's own compute time as colour: a straggler
     is a bright row (a slow device) or a bright patch (a slow spell). The colour scale spans the cells
     without the warm-up steps, which would otherwise make every other cell the same dark colour."""
-    stride = heatmap.get("stride", 1)
-    x_title = "step" if stride == 1 else f"step (mean of sampled steps per bin of {stride})"
     trace = {
         "type": "heatmap",
         "x": heatmap["steps"],
@@ -423,10 +436,63 @@ def heatmap_figure(heatmap: dict[str, Any]) -> Figure:
         if warmup:
             listed = ", ".join(map(str, warmup[:5])) + (", ..." if len(warmup) > 5 else "")
             title += f" (colour scale leaves out warm-up step{'s' if len(warmup) > 1 else ''} {listed})"
-    figure = _figure([trace], title, x_title, "", empty=not heatmap["ranks"])
+    figure = _figure([trace], title, _binned_steps_title(heatmap.get("stride", 1)), "", empty=not heatmap["ranks"])
     figure["layout"]["yaxis"].update(type="category", autorange="reversed")
     figure["layout"]["height"] = max(300, 90 + 22 * len(heatmap["ranks"]))
     return figure
+
+
+def moe_imbalance_figure(series: dict[str, list], axis: XAxis, options: ChartOptions = ChartOptions()) -> Figure:
+    """The worst MoE layer's routing balance per step on the chosen axis: the busiest expert's tokens
+    over the mean expert's (1 is even; n_experts / top_k, every token sent to the same experts, the worst).
+    Noisy step by step, so it is smoothed with the other step curves."""
+    figure = line_figure(
+        axis.steps(series["step"], series.get("time")),
+        series["moe_imbalance"],
+        "Expert load imbalance (worst MoE layer; 1 is even)",
+        "busiest expert / mean",
+        smooth=options.smooth,
+        log=options.log,
+    )
+    axis.layout(figure)
+    return figure
+
+
+def moe_heatmap_figure(heatmap: dict[str, Any]) -> Figure:
+    """MoE layers down, steps (or bins of steps) across, each layer's routing imbalance as colour: a
+    bright row is a layer whose router favours a few experts (a collapse in the making), a bright patch
+    a spell of it. The scale starts at 1, perfectly even, so a balanced layer stays dark however
+    balanced the others are."""
+    ratios = [v for row in heatmap["imbalance"] for v in row if v is not None]
+    trace = {
+        "type": "heatmap",
+        "x": heatmap["steps"],
+        "y": [f"MoE layer {layer}" for layer in heatmap["layers"]],
+        "z": heatmap["imbalance"],
+        "colorscale": "Viridis",
+        "zauto": False,
+        "zmin": 1.0,
+        "zmax": max([1.0 + 1e-6, *ratios]),  # above zmin even when every layer is perfectly even
+        "colorbar": {"title": {"text": "busiest / mean"}},
+        "hovertemplate": "%{y}, step %{x}<br>busiest expert %{z:.2f}x the mean<extra></extra>",
+        "hoverongaps": False,
+    }
+    figure = _figure(
+        [trace],
+        "Expert load imbalance by layer (1 is even)",
+        _binned_steps_title(heatmap.get("stride", 1)),
+        "",
+        empty=not heatmap["layers"],
+    )
+    # automargin: "MoE layer 12" is wider than the rank heatmap's "rank 1", which the default margin fits.
+    figure["layout"]["yaxis"].update(type="category", autorange="reversed", automargin=True)
+    figure["layout"]["height"] = max(300, 90 + 22 * len(heatmap["layers"]))
+    return figure
+
+
+def _binned_steps_title(stride: int) -> str:
+    """A heatmap's x-axis title: steps, or past its most columns bins of `stride` steps."""
+    return "step" if stride == 1 else f"step (mean of sampled steps per bin of {stride})"
 
 
 def events_figure(

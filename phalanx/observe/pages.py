@@ -27,8 +27,8 @@ MAX_TELEMETRY_POINTS = 300  # per node (and device) and reading: 7 charts of the
 
 def run_page_data(store: RunStore, run_id: int, by_time: bool = False) -> dict[str, Any]:
     """Everything the run page shows: the run, its curves (on a wall-time axis with each run of a
-    restarted step as a point of its own), rank heatmap, events (each with the step the run was at),
-    goodput and hardware telemetry."""
+    restarted step as a point of its own), rank heatmap, a mixture of experts' layer-by-step balance,
+    events (each with the step the run was at), goodput and hardware telemetry."""
     events = store.events(run_id)
     warmup = warmup_steps(events)
     heatmap = store.rank_heatmap(run_id, MAX_HEATMAP_BINS, warmup_steps=warmup)
@@ -37,6 +37,7 @@ def run_page_data(store: RunStore, run_id: int, by_time: bool = False) -> dict[s
         "run": store.run(run_id),
         "series": store.series(run_id, MAX_POINTS, every_run=by_time),
         "heatmap": heatmap,
+        "moe_heatmap": store.moe_heatmap(run_id, MAX_HEATMAP_BINS),
         "events": events,
         "event_steps": event_steps(store, run_id, events),
         "goodput": store.goodput(run_id),

@@ -48,6 +48,7 @@ STEP_FIELDS = (
     "compute_seconds",
     "eval_seconds",
     "tokens_seen",
+    "moe_imbalance",
 )
 HOST_FIELDS = ("cpu_ratio", "load1", "memory_used_bytes", "memory_total_bytes", "disk_free_bytes")
 DEVICE_FIELDS = (
@@ -59,6 +60,9 @@ DEVICE_FIELDS = (
     "ecc_uncorrectable",
 )
 MAX_TAGS, MAX_TAG_CHARS, MAX_NOTE_CHARS = 20, 40, 4000
+# More MoE layers than any model has (DeepSeek-V3 has 58): a longer list in a metrics line is not a
+# routing report, and storing it would bloat every step row and the heatmap.
+MAX_MOE_LAYERS = 1024
 FAILURE_KINDS = ("worker_failed", "hang_detected", "restart", "regroup")
 
 
@@ -418,6 +422,7 @@ class RunStore:
             "peak_mem_gib",
             "step_seconds",
             "tokens_seen",
+            "moe_imbalance",
         )
         with self._connect() as conn:
             last = conn.execute(sa.select(sa.func.max(c.step)).where(c.run_id == run_id)).scalar() or 0
@@ -510,6 +515,31 @@ class RunStore:
             "stride": stride,
             "range": [min(means), max(means)] if means else None,
         }
+
+    def moe_heatmap(self, run_id: int, max_bins: int = 200, samples_per_bin: int = 5) -> dict[str, Any]:
+        """A mixture of experts' routing balance per MoE layer and step, or past max_bins per bin of
+        steps (the mean of a few evenly spaced steps in it, as rank_heatmap): rows the MoE layers (0
+        first), columns the bins' last steps, each cell the busiest expert's tokens over the mean
+        expert's (1: even). No layers for a dense model."""
+        c = t.steps.c
+        with self._connect() as conn:
+            last = conn.execute(sa.select(sa.func.max(c.step)).where(c.run_id == run_id)).scalar() or 0
+            where = [c.run_id == run_id, c.moe_imbalance_by_layer.is_not(None)]
+            sample = _sample_steps(last, max_bins, per_bin=samples_per_bin)
+            if sample is not None:
+                where.append(c.step.in_(sample))
+            rows = conn.execute(sa.select(c.step, c.moe_imbalance_by_layer).where(*where)).all()
+        stride = max(1, math.ceil(last / max_bins))
+        cells: dict[tuple[int, int], list[float]] = {}
+        for step, by_layer in rows:
+            bin_end = min(last, ((step - 1) // stride + 1) * stride)
+            for layer, ratio in enumerate(_stored_layer_ratios(by_layer)):
+                if ratio is not None:
+                    cells.setdefault((bin_end, layer), []).append(ratio)
+        steps = sorted({s for s, _ in cells})
+        layers = list(range(max((layer for _, layer in cells), default=-1) + 1))
+        z = [[statistics.fmean(cells[(s, layer)]) if (s, layer) in cells else None for s in steps] for layer in layers]
+        return {"steps": steps, "layers": layers, "imbalance": z, "stride": stride}
 
     def events(self, run_id: int) -> list[dict[str, Any]]:
         with self._connect() as conn:
@@ -672,7 +702,38 @@ def _reason(exc: SQLAlchemyError) -> str:
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    """A finite number as a float; None for anything else (a string, NaN, an integer too large for a
+    float, which a hostile metrics line can hold: JSON has no size limit on integers)."""
+    if not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _layer_ratios(value: Any) -> str | None:
+    """A metrics line's moe_imbalance_by_layer as stored: JSON of one number per MoE layer, an entry
+    that is not a finite number kept as null (the layers after it keep their places); None for
+    anything but a list of 1 to MAX_MOE_LAYERS entries with at least one number. The length is checked
+    first, so a huge list costs nothing to refuse."""
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_MOE_LAYERS:
+        return None
+    ratios = [_num(v) for v in value]
+    return json.dumps(ratios) if any(r is not None for r in ratios) else None
+
+
+def _stored_layer_ratios(text: str | None) -> list[float | None]:
+    """A stored moe_imbalance_by_layer back as a list; validated again, since a row written by other
+    means than ingest (an older copy, a hand edit) must not break the dashboard."""
+    try:
+        value = json.loads(text or "null")
+    except ValueError:
+        return []
+    if not isinstance(value, list):
+        return []
+    return [_num(v) for v in value[:MAX_MOE_LAYERS]]
 
 
 def _step_row(run_id: int, m: dict[str, Any]) -> dict[str, Any]:
@@ -682,6 +743,7 @@ def _step_row(run_id: int, m: dict[str, Any]) -> dict[str, Any]:
         "time": m.get("time", time.time()),
         "skipped": _clip(m.get("skipped"), 40),
         **{f: _num(m.get(f)) for f in STEP_FIELDS},
+        "moe_imbalance_by_layer": _layer_ratios(m.get("moe_imbalance_by_layer")),
     }
 
 

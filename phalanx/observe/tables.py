@@ -73,6 +73,10 @@ steps = Table(
     Column("eval_seconds", Float),
     Column("skipped", String(40)),
     Column("tokens_seen", Float),
+    # A mixture of experts' routing balance (null for a dense model): the busiest expert's tokens over
+    # the mean expert's in the worst MoE layer, and per MoE layer (a JSON list, layer 0 first).
+    Column("moe_imbalance", Float),
+    Column("moe_imbalance_by_layer", Text),
     Index("ix_steps_run_step", "run_id", "step"),
     Index("ix_steps_run_time", "run_id", "time"),  # which step a run was at when an event happened
 )

@@ -135,6 +135,8 @@ def test_run_api_holds_page_data_and_figures_of_every_chart(client, store):
     figures = body["figures"]
     assert set(figures) == {
         "loss",
+        "moe_imbalance",
+        "moe_heatmap",
         "lr",
         "grad_norm",
         "tokens_per_sec",
