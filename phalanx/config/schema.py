@@ -94,7 +94,7 @@ class ModelSection(Section):
     rope_high_freq_factor: float | None = Field(None, gt=0)
     rope_original_max_seq_len: PositiveInt | None = None
     # What the families add to Llama's decoder (models/decoder.py ModelArgs).
-    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] | None = None
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"] | None = None
     head_dim: PositiveInt | None = None  # per attention head; unset: dim / n_heads
     qkv_bias: bool | None = None
     qk_norm: bool | None = None
@@ -106,6 +106,25 @@ class ModelSection(Section):
     norm_topk_prob: bool | None = None
     n_dense_layers: NonNegativeInt | None = None
     router_aux_loss_coef: float | None = Field(None, ge=0)
+    # DeepSeek-V3 (family deepseek_v3): its routing (models/moe.py), multi-head latent attention
+    # (models/mla.py; q_lora_rank 0: one q projection) and YaRN (rope_scaling_type yarn).
+    router_scoring: Literal["softmax", "sigmoid"] | None = None
+    n_expert_groups: PositiveInt | None = None
+    n_expert_groups_per_token: PositiveInt | None = None
+    routed_scaling_factor: float | None = Field(None, gt=0)
+    n_shared_experts: NonNegativeInt | None = None
+    attention: Literal["gqa", "mla"] | None = None
+    q_lora_rank: NonNegativeInt | None = None
+    kv_lora_rank: NonNegativeInt | None = None
+    qk_nope_head_dim: NonNegativeInt | None = None
+    qk_rope_head_dim: NonNegativeInt | None = None
+    v_head_dim: NonNegativeInt | None = None
+    rope_interleave: bool | None = None
+    rope_scaling_type: Literal["llama3", "yarn"] | None = None
+    yarn_beta_fast: float | None = Field(None, gt=0)
+    yarn_beta_slow: float | None = Field(None, gt=0)
+    yarn_mscale: float | None = Field(None, ge=0)
+    yarn_mscale_all_dim: float | None = Field(None, ge=0)
 
 
 class SftSection(Section):
@@ -157,6 +176,9 @@ class TrainSection(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float8"] = "auto"
     # Peak TFLOP/s of one device, for MFU where the device is not in the built-in table (CPUs).
     peak_tflops: float | None = Field(None, gt=0)
+    # A mixture of experts with a routing bias (DeepSeek-V3): how far each step moves each expert's bias
+    # towards even load (auxiliary-loss-free balancing); 0 leaves the biases as they are.
+    moe_bias_rate: float = Field(0.001, ge=0)
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainSection:
@@ -207,7 +229,9 @@ class ParallelSection(Section):
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
     pp_microbatches: PositiveInt | None = Field(None, description="micro-batches per pipeline step; null: pp")
     cp: PositiveInt = Field(1, description="context-parallel ranks: each holds a slice of every sequence")
-    ep: PositiveInt = Field(1, description="expert-parallel ranks, borrowed from dp_shard: each holds 1/ep of the experts")
+    ep: PositiveInt = Field(
+        1, description="expert-parallel ranks, borrowed from dp_shard: each holds 1/ep of the experts"
+    )
 
     @model_validator(mode="after")
     def _check_degrees(self) -> ParallelSection:

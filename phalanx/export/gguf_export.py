@@ -89,6 +89,11 @@ def check_llama_cpp_computes(args: ModelArgs) -> None:
     - qwen2 sizes attn_q as dim x dim, so its heads must be dim / n_heads wide.
     - Only llama reads rope_freqs (Llama 3.1 scaling); qwen2 and qwen3 fail on it.
     (q/k/v biases load on all three.)"""
+    if args.family not in FAMILY_ARCH:  # DeepSeek-V3: llama.cpp's deepseek2 graph is not mapped yet
+        raise PhalanxError(
+            f"GGUF export of family {args.family} (multi-head latent attention) is not built yet; "
+            "export --format hf instead"
+        )
     arch = FAMILY_ARCH[args.family]
     refusal = None
     if args.n_experts and (args.n_dense_layers or not args.norm_topk_prob):

@@ -3,7 +3,8 @@
 The math matches Hugging Face's Llama (RMSNorm in float32, RoPE in the rotate_half layout, grouped-query
 attention, SwiGLU), so an exported checkpoint gives the same logits. The families differ from Llama only
 where ModelArgs says so (models/families/: Mistral's sliding window, Qwen2's q/k/v biases, Qwen3's
-per-head q/k norms and explicit head_dim). Parallelism (FSDP, tensor and pipeline parallelism,
+per-head q/k norms and explicit head_dim, the mixtures of experts of models/moe.py, DeepSeek-V3's
+multi-head latent attention of models/mla.py). Parallelism (FSDP, tensor and pipeline parallelism,
 activation checkpointing, compile) is applied from outside, block by block over `model.layers`; what a
 training step, a prefill, a decode step and context parallelism do differently enters the forward as a
 TokenPass (models/token_pass.py).
@@ -17,17 +18,18 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from phalanx.errors import PhalanxError
+from phalanx.models.feed_forward import FeedForward
 from phalanx.models.fused_linear import shared_input_linears
+from phalanx.models.mla import LatentAttention
 from phalanx.models.moe import MoE
-from phalanx.models.rms_norm import rms_norm
-from phalanx.models.rope import rope_dtype, rope_frequency_divisors, rope_rotation, rope_tables, rotate
+from phalanx.models.rms_norm import RMSNorm
+from phalanx.models.rope import model_rope_tables, rope_dtype, rope_rotation, rotate
 from phalanx.models.token_pass import Causal, TokenPass
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -65,14 +67,58 @@ class ModelArgs:
     norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
     n_dense_layers: int = 0
     router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in training
+    # DeepSeek-V3's routing (models/moe.py): "sigmoid" scores each expert on its own and chooses by score
+    # plus a balancing bias (a buffer that MoE.update_bias moves; the weights use the plain scores);
+    # "softmax" is Mixtral's and Qwen3-MoE's. The experts fall into n_expert_groups groups, and a token
+    # chooses only within its n_expert_groups_per_token best groups (each scored by its two best experts).
+    # The k weights are multiplied by routed_scaling_factor; n_shared_experts experts (one SwiGLU of
+    # n_shared_experts * expert_ffn_dim) see every token, added to the routed ones.
+    router_scoring: str = "softmax"
+    n_expert_groups: int = 1
+    n_expert_groups_per_token: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    # Attention: "gqa" (grouped-query, every family but one) or "mla", DeepSeek-V3's multi-head latent
+    # attention (models/mla.py): q through a rank q_lora_rank bottleneck (0: one projection), keys and
+    # values from one kv_lora_rank-wide latent per token, each head's q and k of qk_nope_head_dim dims
+    # without position and qk_rope_head_dim rotated (k's rotated part shared by the heads), values of
+    # v_head_dim. rope_interleave: the rotated dims come in (even, odd) pairs, as DeepSeek's weights have them.
+    attention: str = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # The RoPE scaling rope_scaling_factor applies: "llama3" (the fields above) or "yarn" (DeepSeek-V3's:
+    # rope_original_max_seq_len, the two betas bounding the ramp between kept and slowed frequencies, and
+    # the two mscales; 0 is a config without that mscale).
+    rope_scaling_type: str = "llama3"
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 0.0
+    yarn_mscale_all_dim: float = 0.0
 
     def __post_init__(self):
         self.validate()
 
     @property
     def head_size(self) -> int:
-        """Each attention head's dimension: head_dim where set, else dim / n_heads."""
+        """Each attention head's q and k dimension: head_dim where set, else dim / n_heads; under MLA its
+        unrotated and rotated parts together."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def value_size(self) -> int:
+        """Each attention head's value dimension: head_size, except under MLA (v_head_dim)."""
+        return self.v_head_dim if self.attention == "mla" else self.head_size
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head RoPE rotates: all of them, except under MLA (qk_rope_head_dim)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_size
 
     @property
     def moe_ffn_dim(self) -> int:
@@ -82,6 +128,7 @@ class ModelArgs:
         return self.n_experts > 0 and layer_index >= self.n_dense_layers
 
     def validate(self) -> None:
+        self._validate_mla()  # first: under MLA the head sizes checked below come from its fields
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "head_size"):
             if getattr(self, name) <= 0:
                 raise PhalanxError(f"model {name} must be positive, got {getattr(self, name)}")
@@ -91,12 +138,13 @@ class ModelArgs:
             raise PhalanxError(f"model family {self.family!r} is not one of {', '.join(FAMILIES)}")
         if self.n_heads % self.n_kv_heads:
             raise PhalanxError(f"model n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.head_dim is None and self.dim % self.n_heads:
+        if self.head_dim is None and self.attention == "gqa" and self.dim % self.n_heads:
             raise PhalanxError(
                 f"model dim {self.dim} is not divisible by n_heads {self.n_heads} (or set model.head_dim)"
             )
-        if self.head_size % 2:
-            raise PhalanxError(f"model head_dim must be even for RoPE, got {self.head_size}")
+        if self.rope_dim % 2:
+            rotated = "qk_rope_head_dim" if self.attention == "mla" else "head_dim"
+            raise PhalanxError(f"model {rotated} must be even for RoPE, got {self.rope_dim}")
         if self.n_experts and not 0 < self.n_experts_per_token <= self.n_experts:
             raise PhalanxError(
                 f"model n_experts_per_token must be between 1 and n_experts ({self.n_experts}), "
@@ -117,33 +165,83 @@ class ModelArgs:
                 "model RoPE scaling needs rope_scaling_factor >= 1, 0 < rope_low_freq_factor < "
                 "rope_high_freq_factor and a positive rope_original_max_seq_len"
             )
+        self._validate_yarn()
+        self._validate_routing()
+
+    def _validate_yarn(self) -> None:
+        if self.rope_scaling_type not in ("llama3", "yarn"):
+            raise PhalanxError(f"model rope_scaling_type must be llama3 or yarn, got {self.rope_scaling_type!r}")
+        if self.rope_scaling_type == "yarn" and self.attention != "mla":
+            raise PhalanxError("model rope_scaling_type yarn is built for attention mla (family deepseek_v3) only")
+        if not 0 < self.yarn_beta_slow < self.yarn_beta_fast or self.yarn_mscale < 0 or self.yarn_mscale_all_dim < 0:
+            raise PhalanxError("model YaRN needs 0 < yarn_beta_slow < yarn_beta_fast and mscales of at least 0")
+
+    def _validate_routing(self) -> None:
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise PhalanxError(f"model router_scoring must be softmax or sigmoid, got {self.router_scoring!r}")
+        if self.n_shared_experts < 0 or self.routed_scaling_factor <= 0:
+            raise PhalanxError("model n_shared_experts cannot be negative, and routed_scaling_factor must be positive")
+        groups, chosen = self.n_expert_groups, self.n_expert_groups_per_token
+        if groups < 1 or not 1 <= chosen <= groups:
+            raise PhalanxError(
+                f"model n_expert_groups_per_token must be between 1 and n_expert_groups ({groups}), got {chosen}"
+            )
+        if groups > 1 and (self.n_experts % groups or self.n_experts // groups < 2):
+            raise PhalanxError(
+                f"model n_experts {self.n_experts} must split into n_expert_groups {groups} of at least 2 "
+                "(a group is scored by its two best experts)"
+            )
+        if groups > 1 and self.n_experts_per_token > chosen * (self.n_experts // groups):
+            raise PhalanxError(
+                f"model n_experts_per_token {self.n_experts_per_token} exceeds the experts of "
+                f"n_expert_groups_per_token {chosen} groups"
+            )
+        if not self.n_experts and (
+            self.router_scoring != "softmax" or groups > 1 or self.n_shared_experts or self.routed_scaling_factor != 1
+        ):
+            raise PhalanxError(
+                "model router_scoring, n_expert_groups, n_shared_experts and routed_scaling_factor need n_experts"
+            )
+
+    def _validate_mla(self) -> None:
+        mla_fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.attention not in ("gqa", "mla"):
+            raise PhalanxError(f"model attention must be gqa or mla, got {self.attention!r}")
+        if self.attention == "gqa":
+            if any(getattr(self, name) for name in mla_fields) or self.rope_interleave:
+                raise PhalanxError(f"model {', '.join(mla_fields)} and rope_interleave need attention mla")
+            return
+        if self.q_lora_rank < 0 or any(getattr(self, name) <= 0 for name in mla_fields[1:]):
+            raise PhalanxError(
+                "model attention mla needs positive kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and "
+                "v_head_dim (and q_lora_rank 0 or more)"
+            )
+        if self.n_kv_heads != self.n_heads or self.head_dim is not None:
+            raise PhalanxError(
+                "model attention mla makes keys and values for every head from its latent: n_kv_heads must "
+                "equal n_heads and head_dim stay unset"
+            )
+        if self.qkv_bias or self.qk_norm or self.sliding_window is not None:
+            raise PhalanxError("model attention mla has no q/k/v biases, q/k norms or sliding window")
 
 
 class KVCache:
-    """Preallocated keys and values for every layer, each (B, K, max_len, E), filled by position."""
+    """Preallocated keys and values for every layer, (B, K, max_len, E) and (B, K, max_len, value_size),
+    filled by position. Under MLA it holds each head's expanded keys and values, not the latent DeepSeek
+    caches (what the attention computes is the same; the cache is H * (qk + v) wide instead of
+    kv_lora_rank + qk_rope_head_dim)."""
 
     def __init__(self, args: ModelArgs, batch_size: int, max_len: int, dtype=torch.float32, device=None):
         if max_len > args.max_seq_len:
             raise PhalanxError(f"KV cache of {max_len} tokens exceeds the model's max_seq_len {args.max_seq_len}")
         self.max_len = max_len
-        shape = (batch_size, args.n_kv_heads, max_len, args.head_size)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        k_shape = (batch_size, args.n_kv_heads, max_len, args.head_size)
+        v_shape = (batch_size, args.n_kv_heads, max_len, args.value_size)
+        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 even under bf16, and multiply by the weight after casting back: HF's order,
-        # which decides the last bits of the logits (models/rms_norm.py: and a faster backward on CPU).
-        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -174,25 +272,11 @@ class Attention(nn.Module):
         return self.wo(token_pass.attend(self, q_BHTE, k_BKTE, v_BKTE))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, ffn_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
-
-    def forward(self, x_BTD):
-        gate_BTF, up_BTF = shared_input_linears(x_BTD, [self.w1, self.w3])
-        return self.w2(F.silu(gate_BTF) * up_BTF)
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_index: int):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, layer_index)
+        self.attention = Attention(args, layer_index) if args.attention == "gqa" else LatentAttention(args, layer_index)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = (
             MoE(
@@ -202,6 +286,11 @@ class TransformerBlock(nn.Module):
                 args.n_experts_per_token,
                 args.norm_topk_prob,
                 args.router_aux_loss_coef,
+                scoring=args.router_scoring,
+                n_groups=args.n_expert_groups,
+                n_groups_per_token=args.n_expert_groups_per_token,
+                routed_scaling_factor=args.routed_scaling_factor,
+                n_shared_experts=args.n_shared_experts,
             )
             if args.is_moe_layer(layer_index)
             else FeedForward(args.dim, args.ffn_dim)
@@ -243,8 +332,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: they are derived from args, so checkpoints stay free of them, and init_weights
         # rebuilds them after a meta-device build is materialised with to_empty.
-        self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_size), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_size), persistent=False)
+        self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
         self.init_weights()
 
     def init_rules(self) -> dict[str, tuple[str, float]]:
@@ -260,7 +349,9 @@ class Transformer(nn.Module):
                 rules[name] = ("ones", 1.0)
             elif name.endswith(".bias"):
                 rules[name] = ("zeros", 0.0)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w2")):
+            elif name.endswith(
+                ("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w2", "feed_forward.shared.w2.weight")
+            ):
                 rules[name] = ("normal", residual_std)
             else:
                 rules[name] = ("normal", std)
@@ -283,10 +374,19 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_rope(self) -> None:
-        args, device = self.args, self.rope_cos.device
-        cos, sin = rope_tables(
-            args.head_size, args.max_seq_len, args.rope_theta, device, rope_frequency_divisors(args, device)
-        )
+        """Fill the buffers of a model just built or materialised (to_empty leaves them garbage): the RoPE
+        tables, and the MoE layers' routing biases, which start at zero. What parallel/materialize.py
+        calls after to_empty, before any checkpoint is loaded over the biases."""
+        self.init_rope_tables()
+        for layer in self.layers.values():
+            bias = getattr(layer.feed_forward, "expert_bias", None)
+            if bias is not None and not bias.is_meta:
+                bias.zero_()
+
+    @torch.no_grad()
+    def init_rope_tables(self) -> None:
+        """The RoPE tables alone, from args (a model whose biases are loaded already keeps them)."""
+        cos, sin = model_rope_tables(self.args, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 

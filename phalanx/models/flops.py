@@ -5,19 +5,36 @@ from phalanx.models.decoder import ModelArgs
 
 def count_params(args: ModelArgs, active: bool = False) -> int:
     """Exact parameter count of Transformer(args), a tied output weight counted once. active: only what
-    one token's forward uses, in an MoE its n_experts_per_token experts (and the router) of n_experts."""
+    one token's forward uses, in an MoE its n_experts_per_token experts (and the router, and any shared
+    experts) of n_experts. DeepSeek-V3's routing bias is a buffer, not a parameter: not counted."""
     d, q_dim, kv_dim = args.dim, args.n_heads * args.head_size, args.n_kv_heads * args.head_size
-    attention = 2 * d * q_dim + 2 * d * kv_dim  # wq, wo; wk, wv (q_dim is d unless head_dim is set)
-    attention += (q_dim + 2 * kv_dim) * args.qkv_bias  # Qwen2's q, k and v biases
-    attention += 2 * args.head_size * args.qk_norm  # Qwen3's q and k norms, one weight each for all heads
+    if args.attention == "mla":
+        attention = _latent_attention_params(args)
+    else:
+        attention = 2 * d * q_dim + 2 * d * kv_dim  # wq, wo; wk, wv (q_dim is d unless head_dim is set)
+        attention += (q_dim + 2 * kv_dim) * args.qkv_bias  # Qwen2's q, k and v biases
+        attention += 2 * args.head_size * args.qk_norm  # Qwen3's q and k norms, one weight each for all heads
     dense_ffn = 3 * d * args.ffn_dim  # w1, w2, w3
     experts = args.n_experts_per_token if active else args.n_experts
+    experts += args.n_shared_experts  # every token passes through the shared ones
     moe_ffn = d * args.n_experts + experts * 3 * d * args.moe_ffn_dim  # the router, and the experts
     n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
     blocks = args.n_layers * (attention + 2 * d) + (args.n_layers - n_moe) * dense_ffn + n_moe * moe_ffn
     embedding = args.vocab_size * d
     output = 0 if args.tie_embeddings else args.vocab_size * d
     return embedding + blocks + d + output  # d: the final norm
+
+
+def _latent_attention_params(args: ModelArgs) -> int:
+    """Multi-head latent attention's projections and its two latent norms (models/mla.py)."""
+    d, h = args.dim, args.n_heads
+    if args.q_lora_rank:  # wq_a, q_norm, wq_b
+        q = d * args.q_lora_rank + args.q_lora_rank + args.q_lora_rank * h * args.head_size
+    else:
+        q = d * h * args.head_size
+    kv = d * (args.kv_lora_rank + args.qk_rope_head_dim) + args.kv_lora_rank  # wkv_a, kv_norm
+    kv += args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)  # wkv_b
+    return q + kv + h * args.v_head_dim * d  # and wo
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
@@ -29,12 +46,15 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     attention's QK^T and AV products, counted over the full (not causally halved) seq_len x seq_len square
     by convention, and without any recomputation from activation checkpointing. With a sliding window
     (Mistral) a query has at most `sliding_window` keys, so the square narrows to that band. In a mixture
-    of experts N is the active parameters: a token passes through its top-k experts only.
+    of experts N is the active parameters: a token passes through its top-k experts (and the shared ones)
+    only. Under multi-head latent attention (DeepSeek-V3) N holds its down and up projections, and the
+    attention term is 6 * n_layers * n_heads * (qk head dim + v head dim) * seq_len, QK^T over the q/k heads'
+    dims and AV over the value heads' (the same 12 L H Q T where the two are equal).
     """
     embedding = args.vocab_size * args.dim
     n_matmul = count_params(args, active=True) - embedding + (embedding if args.tie_embeddings else 0)
     keys = seq_len if args.sliding_window is None else min(seq_len, args.sliding_window)
-    return 6 * n_matmul + 12 * args.n_layers * args.n_heads * args.head_size * keys
+    return 6 * n_matmul + 6 * args.n_layers * args.n_heads * (args.head_size + args.value_size) * keys
 
 
 # Dense (no 2:4 sparsity) bf16 matrix peak, TFLOP/s per device as torch sees it. Keys are lower-case

@@ -22,4 +22,6 @@ PRESET_NAMES = (
     "tiny-moe",
     "mixtral-8x7b",
     "qwen3-30b-a3b",
+    "deepseek-v3-tiny",
+    "deepseek-v3-671b",
 )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from phalanx.models.fused_linear import is_plain
 
@@ -62,3 +63,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ):
         return _RMSNormFunction.apply(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 even under bf16, and multiply by the weight after casting back: HF's order,
+        # which decides the last bits of the logits (and a faster backward on CPU, above).
+        return rms_norm(x, self.weight, self.eps)

@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE) in Hugging Face's rotate_half layout, with Llama 3.1's frequency
-scaling: the tables a model builds once, and the rotation every attention layer applies to q and k.
+scaling or YaRN's (DeepSeek-V3's): the tables a model builds once, and the rotation every attention layer
+applies to q and k.
 
 Shape suffixes: T tokens, E head dim, B batch, N heads.
 """
@@ -23,11 +24,11 @@ def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.
 
 
 def rope_frequency_divisors(args: ModelArgs, device=None) -> torch.Tensor | None:
-    """What Llama 3.1 scaling divides each frequency by (None without scaling). GGUF stores exactly these
-    as `rope_freqs`, so llama.cpp rotates by the same angles."""
-    if args.rope_scaling_factor == 1:
+    """What Llama 3.1 scaling divides each frequency by (None without it). GGUF stores exactly these as
+    `rope_freqs`, so llama.cpp rotates by the same angles."""
+    if args.rope_scaling_factor == 1 or args.rope_scaling_type != "llama3":
         return None
-    inv_freq = rope_inverse_frequencies(args.head_size, args.rope_theta, device)
+    inv_freq = rope_inverse_frequencies(args.rope_dim, args.rope_theta, device)
     wavelength = 2 * math.pi / inv_freq
     factor, low, high, context = (
         args.rope_scaling_factor,
@@ -52,6 +53,62 @@ def rope_tables(
     freqs = torch.outer(torch.arange(max_seq_len, device=device).float(), inv_freq)
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor` (its paper's eq. 21)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(args: ModelArgs) -> float:
+    """What YaRN multiplies the cos and sin tables by, as transformers derives it: the ratio of the two
+    mscales where the config gives both (DeepSeek-V3: both 1, so 1), else the plain mscale."""
+    factor = args.rope_scaling_factor
+    if args.yarn_mscale and args.yarn_mscale_all_dim:
+        return yarn_mscale(factor, args.yarn_mscale) / yarn_mscale(factor, args.yarn_mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_softmax_factor(args: ModelArgs) -> float:
+    """What multi-head latent attention multiplies its softmax scale by under YaRN: mscale_all_dim's
+    mscale squared (DeepSeek's reference does; it covers the dims RoPE does not rotate too); 1 otherwise."""
+    if args.rope_scaling_type != "yarn" or not args.yarn_mscale_all_dim:
+        return 1.0
+    return yarn_mscale(args.rope_scaling_factor, args.yarn_mscale_all_dim) ** 2
+
+
+def yarn_inverse_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
+    """The E/2 frequencies under YaRN: the fast ones (more than beta_fast turns over the original context)
+    kept, the slow ones (fewer than beta_slow turns) divided by the factor, a linear ramp between, over
+    the pair indices in between, rounded outwards (transformers' `truncate`, its default)."""
+    dim, base, factor = args.rope_dim, args.rope_theta, args.rope_scaling_factor
+
+    def pair_index(turns: float) -> float:  # the pair whose wavelength fits `turns` times in the context
+        return dim * math.log(args.rope_original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_index(args.yarn_beta_fast)), 0)
+    high = min(math.ceil(pair_index(args.yarn_beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # a one-pair ramp would divide by zero
+    periods = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+    kept, slowed = 1.0 / periods, 1.0 / (factor * periods)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the frequency as it was, 0: divided by the factor
+    return slowed * (1 - keep) + kept * keep
+
+
+def model_rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (max_seq_len, rope_dim) for a model: plain, Llama 3.1's or YaRN's (whose tables are
+    also scaled by its attention factor, as transformers scales them)."""
+    if args.rope_scaling_type == "yarn" and args.rope_scaling_factor != 1:
+        angles = torch.outer(
+            torch.arange(args.max_seq_len, device=device).float(), yarn_inverse_frequencies(args, device)
+        )
+        angles = torch.cat((angles, angles), dim=-1)
+        factor = yarn_attention_factor(args)
+        return angles.cos() * factor, angles.sin() * factor
+    divisors = rope_frequency_divisors(args, device)
+    return rope_tables(args.rope_dim, args.max_seq_len, args.rope_theta, device, divisors)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

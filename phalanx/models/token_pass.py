@@ -167,8 +167,8 @@ class DecodeRows(TokenPass):
         scores_BKGS = (q_BKGE @ cache_k[:B].to(compute).transpose(-1, -2)) * (1.0 / math.sqrt(E))
         scores_BKGS = scores_BKGS.masked_fill(self.hidden_B11S(attention.sliding_window), float("-inf"))
         probs_BKGS = torch.softmax(scores_BKGS.float(), dim=-1).to(compute)
-        out_BKGE = probs_BKGS @ cache_v[:B].to(compute)
-        return out_BKGE.to(q_BHTE.dtype).reshape(B, 1, H * E)
+        out_BKGF = probs_BKGS @ cache_v[:B].to(compute)  # F: the value head dim (MLA's may differ from E)
+        return out_BKGF.to(q_BHTE.dtype).reshape(B, 1, -1)
 
 
 class Packed(TokenPass):

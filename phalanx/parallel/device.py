@@ -36,12 +36,26 @@ def pick_backend(preference: str, device: torch.device) -> str:
 def compute_dtype(preference: str, device: torch.device) -> torch.dtype:
     """`auto`: bf16 autocast on GPUs, and on CPUs with bf16 matrix units (a tiny-model training step 1.9x
     float32's speed on AMX, BENCHMARKS.md); float32 on other CPUs, whose bf16 products are emulated and
-    slower than float32's."""
+    slower than float32's. Across ranks on CPUs, bf16 only where every rank has the units (one
+    all-reduce where a process group is up): ranks that computed in different dtypes would not be one
+    model's replicas."""
     if preference == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16_units() else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if _every_rank(cpu_has_bf16_units()) else torch.float32
     if preference == "float8":
         return torch.bfloat16  # what everything but the float8 matmuls computes in
     return getattr(torch, preference)
+
+
+def _every_rank(flag: bool) -> bool:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return flag
+    agreed = torch.tensor([int(flag)])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # CPU ranks: gloo
+    return bool(agreed.item())
 
 
 def cpu_has_bf16_units() -> bool:

@@ -32,7 +32,10 @@ from phalanx.models.moe import MoE
 
 
 def check_tp(args, tp: int) -> None:
-    """Each rank must hold whole heads and an equal share of the FFN and vocabulary."""
+    """Each rank must hold whole heads and an equal share of the FFN and vocabulary; the plan splits
+    grouped-query attention's projections, which multi-head latent attention (DeepSeek-V3) has not."""
+    if args.attention == "mla":
+        raise PhalanxError("parallel.tp does not split multi-head latent attention (DeepSeek-V3) yet")
     for what, n in (
         ("n_heads", args.n_heads),
         ("n_kv_heads", args.n_kv_heads),

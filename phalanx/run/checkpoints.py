@@ -12,6 +12,7 @@ the trainer's (phalanx/train/checkpoint.py); everything that only reads them com
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -68,8 +69,12 @@ def write_trainer_state(path: Path, state: dict[str, Any]) -> None:
 
 
 def check_model_shape(path: Path, model_args: dict[str, Any]) -> None:
-    """Refuse a checkpoint written by a model of another shape, naming the fields that differ."""
-    saved = read_trainer_state(path).get("model_args", {})
+    """Refuse a checkpoint written by a model of another shape, naming the fields that differ. A field
+    the checkpoint predates has its default there (ModelArgs gains fields as families are added)."""
+    from phalanx.models.decoder import ModelArgs
+
+    defaults = {field.name: field.default for field in dataclasses.fields(ModelArgs)}
+    saved = {**defaults, **read_trainer_state(path).get("model_args", {})}
     diffs = [f"{k} {saved.get(k)} != {v}" for k, v in model_args.items() if saved.get(k) != v]
     if diffs:
         raise PhalanxError(

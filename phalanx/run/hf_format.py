@@ -20,7 +20,7 @@ from phalanx.data.chat_template import read_template
 from phalanx.data.tokenizer import read_specials
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs, Transformer
-from phalanx.models.families import expert_slice, hf_names
+from phalanx.models.families import expert_slice, hf_names, unused_tensors
 from phalanx.models.from_config import pretrained_args
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -123,7 +123,8 @@ def check_hf_weights(path: Path, args: ModelArgs) -> dict[str, Path]:
                 found[name] = (tuple(tensor.get_shape()), tensor.get_dtype())
 
     # A tied checkpoint may still hold lm_head.weight: HF re-ties it to the embedding and ignores the copy.
-    spare = {name for name in found if name.endswith(DERIVED_BUFFERS)}
+    # DeepSeek-V3's multi-token-prediction layers are stored beside the model, which runs without them.
+    spare = {name for name in found if name.endswith(DERIVED_BUFFERS)} | unused_tensors(args, found)
     if args.tie_embeddings and "lm_head.weight" in found:
         spare.add("lm_head.weight")
         expected_spare = {"lm_head.weight": expected["model.embed_tokens.weight"]}

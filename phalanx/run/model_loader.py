@@ -165,8 +165,8 @@ def _lora_base(lora: LoraRecord, args: ModelArgs, checkpoint: Path) -> Transform
     if model.args.max_seq_len != args.max_seq_len:  # the run may use a shorter context: other RoPE tables
         model.args = args
         for name in ("rope_cos", "rope_sin"):
-            model.register_buffer(name, torch.empty(args.max_seq_len, args.head_size), persistent=False)
-        model.init_rope()
+            model.register_buffer(name, torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
+        model.init_rope_tables()  # the loaded weights and buffers stay
     apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
     return model
 

@@ -193,7 +193,7 @@ def check_lora(config: Config) -> None:
 
 def check_moe(config: Config, shape: ModelArgs) -> None:
     """A mixture of experts trains on one process, with DDP, or with FSDP (and expert parallelism over
-    its shard ranks) and tensor parallelism: pipeline or context parallelism, LoRA and compile are refused in one line
+    its shard ranks), tensor and pipeline parallelism: context parallelism, LoRA and compile are refused in one line
     until they are built and tested; and parallel.ep needs experts it can split evenly."""
     p = config.parallel
     if p.ep > 1 and not shape.n_experts:
@@ -205,7 +205,6 @@ def check_moe(config: Config, shape: ModelArgs) -> None:
     not_yet = [
         what
         for what, used in (
-            ("parallel.pp", p.pp > 1),
             ("parallel.cp", p.cp > 1),
             ("train.compile", config.train.compile),
             ("lora.rank", config.lora.rank > 0),
@@ -215,7 +214,7 @@ def check_moe(config: Config, shape: ModelArgs) -> None:
     if not_yet:
         raise PhalanxError(
             f"a mixture of experts ({shape.n_experts} experts) does not run with {', '.join(not_yet)} yet; "
-            "it trains on one process, with parallel.strategy ddp, fsdp (and parallel.ep) or parallel.tp"
+            "it trains on one process, with parallel.strategy ddp, fsdp (and parallel.ep), tp or pp"
         )
 
 

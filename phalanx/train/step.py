@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from phalanx.data.sft_batches import IGNORE
-from phalanx.models.moe import moe_aux_loss
 from phalanx.models.token_pass import Packed
 from phalanx.parallel.apply import gradient_sync
 from phalanx.parallel.context_parallel import ContextParallel, NoContextParallel
@@ -113,8 +112,7 @@ def train_step(
                 if i == 0 and hooks.poison_loss():
                     loss = loss * float("nan")
                 hooks.phase("backward")
-                balance = moe_aux_loss(model)  # a mixture of experts' load balancing (models/moe.py)
-                ((loss if balance is None else loss + balance) / len(micro_batches)).backward()
+                (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
     hooks.phase("collective")
     if finish_gradients is not None:

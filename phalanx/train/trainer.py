@@ -148,7 +148,9 @@ class Trainer:
             (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
         )
         self.expert_gradients = expert_gradients(self.model, self.layout)  # expert parallelism's share
-        self.expert_balance = expert_balance(self.model, self.args, env.device)  # a mixture of experts' routing
+        self.expert_balance = expert_balance(
+            self.model, self.args, env.device, tc.moe_bias_rate
+        )  # a mixture of experts' routing
         self.optimizer = build_optimizer(self.model, tc)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -310,8 +312,8 @@ class Trainer:
         data_seconds = time.perf_counter() - t_data
         trained_share = sft_loss_scale(micro_batches, self.env.device)
         hooks = SupervisedStep(self, step)
-        if self.expert_balance is not None:
-            self.expert_balance.start_step()
+        if self.expert_balance is not None:  # the schedule divides a pipeline's gradients by its micro-batches
+            self.expert_balance.start_step(1 if self.pipeline is not None else len(micro_batches))
         train_step(
             self.model,
             self.optimizer,
@@ -339,7 +341,7 @@ class Trainer:
             "compute_seconds": hooks.compute_seconds,
             "data_seconds": data_seconds,
             **({"skipped": hooks.anomaly} if hooks.anomaly else {}),
-            **(self.expert_balance.step_metrics() if self.expert_balance is not None else {}),
+            **(self.expert_balance.finish_step() if self.expert_balance is not None else {}),
         }
 
     # -- evaluation, checkpoints, recovery -----------------------------------------------------------

@@ -146,6 +146,7 @@ def test_unknown_architecture_lists_the_supported_ones():
         "Qwen3ForCausalLM",
         "MixtralForCausalLM",
         "Qwen3MoeForCausalLM",
+        "DeepseekV3ForCausalLM",
     )
 
 

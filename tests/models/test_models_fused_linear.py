@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phalanx.models import decoder, rope
+from phalanx.models import decoder, feed_forward, rope
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.rope import apply_rope, rope_tables, rotate_half
 
@@ -27,7 +27,8 @@ def test_fused_backward_keeps_the_forward_and_the_gradients(autocast, monkeypatc
     model = Transformer(ARGS)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 48))
     fused = loss_and_grads(model, tokens, autocast)
-    monkeypatch.setattr(decoder, "shared_input_linears", lambda x, linears: tuple(m(x) for m in linears))
+    for module in (decoder, feed_forward):  # attention's q/k/v, the feed-forward's gate/up
+        monkeypatch.setattr(module, "shared_input_linears", lambda x, linears: tuple(m(x) for m in linears))
     plain = loss_and_grads(model, tokens, autocast)
     assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
     tolerance = 1e-2 if autocast else 1e-5  # bf16's rounding, float32's

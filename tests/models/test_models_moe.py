@@ -15,7 +15,7 @@ import torch
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.families import hf_config
 from phalanx.models.flops import count_params
-from phalanx.models.moe import MoE, imbalance, moe_aux_loss, routing_counts
+from phalanx.models.moe import MoE, imbalance, routing_counts
 from phalanx.models.presets import MODEL_PRESETS
 from phalanx.run.hf_format import read_hf_model
 from tests.helpers import phalanx, read_metrics, train_json
@@ -117,9 +117,28 @@ def test_the_load_balancing_loss_is_transformers_for_one_layer():
     logits = layer.router(seen["x"].reshape(-1, args.dim))
     expected = load_balancing_loss_func((logits,), args.n_experts, args.n_experts_per_token)
     torch.testing.assert_close(layer.aux_loss, expected, rtol=1e-5, atol=1e-6)
-    assert moe_aux_loss(model) is None  # router_aux_loss_coef 0: nothing added to the loss
-    layer.aux_loss_coef = 0.02
-    torch.testing.assert_close(moe_aux_loss(model), 0.02 * expected, rtol=1e-5, atol=1e-7)
+
+
+def test_the_load_balancing_loss_joins_backward_with_its_weight():
+    """BalanceGradient: a backward from the logits alone gives the router the gradient of the
+    cross-entropy plus aux_loss_scale times each layer's load-balancing loss, as if they were summed."""
+    torch.manual_seed(5)
+    args = ModelArgs(**SHAPE, family="mixtral", n_experts=4, n_experts_per_token=2, router_aux_loss_coef=0.02)
+    model = Transformer(args).train()
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+
+    def router_grads(injected: float, added: float) -> torch.Tensor:
+        model.zero_grad()
+        for m in layers:
+            m.aux_loss_scale = injected
+        loss = model(tokens).logsumexp(-1).mean()
+        (loss + added * sum(m.aux_loss for m in layers)).backward()
+        return torch.cat([m.router.weight.grad.flatten() for m in layers])
+
+    injected = router_grads(injected=0.3, added=0.0)
+    torch.testing.assert_close(injected, router_grads(injected=0.0, added=0.3), rtol=1e-5, atol=1e-8)
+    assert (injected - router_grads(injected=0.0, added=0.0)).abs().max() > 1e-3  # the balance counts
 
 
 def test_presets_count_all_and_active_parameters():
@@ -143,11 +162,11 @@ def test_a_tiny_moe_trains_and_what_it_cannot_run_yet_is_one_line(tiny_args):
     # The serving engine decodes it (a prefill, then batched decode steps through the experts).
     text = phalanx("generate", summary["run_dir"], "ROMEO:", "--max-new-tokens", "12", "--seed", "0").stdout
     assert text.startswith("ROMEO:") and len(text) > len("ROMEO:")
-    proc = phalanx("train", *moe, "parallel.pp=2", "--nproc", "2", check=False)
+    proc = phalanx("train", *moe, "parallel.cp=2", "--nproc", "2", check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and errors == [
-        "error: a mixture of experts (8 experts) does not run with parallel.pp yet; it trains on one process, "
-        "with parallel.strategy ddp, fsdp (and parallel.ep) or parallel.tp"
+        "error: a mixture of experts (8 experts) does not run with parallel.cp yet; it trains on one process, "
+        "with parallel.strategy ddp, fsdp (and parallel.ep), tp or pp"
     ], proc.stderr
 
 

@@ -46,8 +46,8 @@ def test_preset_shapes():
     assert (tiny.vocab_size, tiny.max_seq_len, tiny.rope_theta, tiny.tie_embeddings) == (4096, 256, 10000.0, True)
     assert (small.dim, small.n_layers, small.vocab_size, small.max_seq_len) == (768, 12, 50304, 2048)
     assert get_preset("8b").tie_embeddings is False and get_preset("1b").tie_embeddings is True
-    qwen = ("qwen3", "qwen3_moe")
-    assert all(args.norm_eps == (1e-6 if args.family in qwen else 1e-5) for args in MODEL_PRESETS.values())
+    eps_1e6 = ("qwen3", "qwen3_moe", "deepseek_v3")
+    assert all(args.norm_eps == (1e-6 if args.family in eps_1e6 else 1e-5) for args in MODEL_PRESETS.values())
     assert get_preset("70b").rope_theta == 500000.0
 
 

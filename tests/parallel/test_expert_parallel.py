@@ -44,12 +44,25 @@ def one_process(moe_args):
         (["parallel.strategy=fsdp", "parallel.ep=2"], "4"),  # dp_shard=4: two groups of 2 split the experts
         (["parallel.tp=2"], "2"),  # each tp rank routes the whole sequence through whole experts
         (["parallel.strategy=fsdp", "parallel.ep=2", "parallel.tp=2"], "4"),  # dp_shard=2 x tp=2
+        # Two stages of 2 layers; the schedule cuts each rank's share into one process's 2-row micro-batches.
+        (["parallel.pp=2", "parallel.pp_microbatches=4", "train.micro_batch_size=8"], "2"),
+        (["parallel.strategy=fsdp", "parallel.ep=2", "parallel.pp=2", "train.micro_batch_size=4"], "4"),
     ],
-    ids=["ep2", "ep2-dp_shard4", "tp2", "ep2-tp2"],
+    ids=["ep2", "ep2-dp_shard4", "tp2", "ep2-tp2", "pp2", "ep2-pp2"],
 )
 def test_expert_parallel_matches_one_process(moe_args, one_process, layout, ranks):
     run = train_json(*named(moe_args, f"-ep-{ranks}"), *layout, "train.max_steps=6", "--nproc", ranks)
     assert_close_losses(one_process, losses_by_step(run["run_dir"]))
+
+
+@pytest.mark.slow
+def test_deepseek_under_expert_parallelism_matches_one_process(moe_args):
+    """Sigmoid routing over groups, a shared expert, a dense first layer and MLA, with the routing biases
+    moved every step from every rank's counts: ep=2 keeps one process's losses."""
+    deepseek = [*moe_args, "model.preset=deepseek-v3-tiny", "train.max_steps=6"]
+    one = losses_by_step(train_json(*named(deepseek, "-one"))["run_dir"])
+    ep = ["parallel.strategy=fsdp", "parallel.ep=2", "--nproc", "2"]
+    assert_close_losses(one, losses_by_step(train_json(*named(deepseek, "-ep"), *ep)["run_dir"]))
 
 
 @pytest.mark.slow
@@ -87,12 +100,16 @@ def test_expert_parallel_resumes_exactly_and_its_checkpoint_resumes_on_one_proce
             "shard ranks (parallel.strategy fsdp, or parallel.dp_shard)",
         ),
         (
+            ["model.preset=deepseek-v3-tiny", "parallel.tp=2"],
+            "error: parallel.tp does not split multi-head latent attention (DeepSeek-V3) yet",
+        ),
+        (
             ["parallel.strategy=ddp", "parallel.ep=2"],
             "error: parallel.ep=2 does not divide dp_shard=1: expert parallelism splits the experts over FSDP's "
             "shard ranks (parallel.strategy fsdp, or parallel.dp_shard)",
         ),
     ],
-    ids=["dense", "uneven", "ddp"],
+    ids=["dense", "uneven", "mla-tp", "ddp"],
 )
 def test_what_expert_parallelism_cannot_run_is_one_line(moe_args, extra, error):
     proc = phalanx("train", *moe_args, *extra, "--nproc", "2", check=False)

@@ -1,7 +1,8 @@
 """The Hugging Face architectures phalanx reads and writes: Llama, Mistral, Qwen2 and Qwen3, and the
-mixtures of experts Mixtral and Qwen3-MoE.
+mixtures of experts Mixtral, Qwen3-MoE and DeepSeek-V3.
 
-All are Llama's decoder (models/decoder.py) with a few additions that ModelArgs switches on. Each
+All are Llama's decoder (models/decoder.py) with a few additions that ModelArgs switches on (DeepSeek-V3's
+attention is one: models/mla.py). Each
 family's module says how its config.json maps to ModelArgs and back and which tensors it adds to the
 shared ones (common.py). This module is the one entry point: from a config to ModelArgs, from ModelArgs
 to a config, and the tensor names between phalanx's state dict and an HF file.
@@ -15,13 +16,13 @@ import torch
 
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs
-from phalanx.models.families import common, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from phalanx.models.families import common, deepseek_v3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from phalanx.models.families.common import expert_slice, state_name
 
-__all__ = ["args_from_hf_config", "expert_slice", "hf_config", "hf_names", "state_name"]
+__all__ = ["args_from_hf_config", "expert_slice", "hf_config", "hf_names", "state_name", "unused_tensors"]
 
 # model_type (phalanx's ModelArgs.family) -> its module
-_MODULES = {module.MODEL_TYPE: module for module in (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe)}
+_MODULES = {module.MODEL_TYPE: module for module in (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3)}
 SUPPORTED_ARCHITECTURES = tuple(module.ARCHITECTURE for module in _MODULES.values())
 
 
@@ -50,7 +51,8 @@ def args_from_hf_config(config: dict, where: Path) -> ModelArgs:
     module = _family_of_config(config, Path(where))
     file = f"{where}/{common.CONFIG_FILE}"
     try:
-        found = common.unsupported(config) + module.unsupported(config)
+        rope_types = getattr(module, "ROPE_TYPES", common.ROPE_TYPES)
+        found = common.unsupported(config, rope_types) + module.unsupported(config)
         if found:
             raise PhalanxError(f"{file} uses {module.ARCHITECTURE} features phalanx cannot run: {', '.join(found)}")
         fields = {**common.read_args(config), **module.read_args(config)}
@@ -68,7 +70,11 @@ def _family_of_args(args: ModelArgs):
     module = _MODULES[args.family]
     found = module.inexpressible(args)
     if args.n_experts and not hasattr(module, "MOE_NAMES"):
-        found.append(f"{args.n_experts} experts (families mixtral and qwen3_moe have them)")
+        found.append(f"{args.n_experts} experts (families mixtral, qwen3_moe and deepseek_v3 have them)")
+    elif common.deepseek_routing(args) and "expert_bias" not in getattr(module, "MOE_NAMES", {}):
+        found.append("DeepSeek-V3's routing (sigmoid scores, expert groups, shared experts or scaled weights)")
+    if args.attention == "mla" and getattr(module, "ATTENTION", "gqa") != "mla":
+        found.append("multi-head latent attention (family deepseek_v3 has it)")
     if found:
         raise PhalanxError(
             f"a model of family {args.family!r} cannot be written as {module.ARCHITECTURE} with "
@@ -89,4 +95,12 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
     tied to the embedding). An MoE expert's projection is named with its index, `layers.0.feed_forward.w1[3]`:
     expert_slice(state, name) is the tensor any of these names names, state_name(name) its state-dict key."""
     module = _family_of_args(args)
-    return common.tensor_names(args, module.LAYER_NAMES, getattr(module, "MOE_NAMES", None))
+    layer_names = module.layer_names(args) if hasattr(module, "layer_names") else module.LAYER_NAMES
+    return common.tensor_names(args, layer_names, getattr(module, "MOE_NAMES", None))
+
+
+def unused_tensors(args: ModelArgs, names) -> set[str]:
+    """Of an HF file's tensor names, those its family stores beside the model and phalanx leaves unread,
+    as transformers does: DeepSeek-V3's multi-token-prediction module (deepseek_v3.py)."""
+    unused = getattr(_MODULES[args.family], "unused_tensor", None)
+    return {name for name in names if unused is not None and unused(args, name)}

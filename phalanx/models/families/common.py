@@ -1,4 +1,4 @@
-"""What all four families' Hugging Face configs and weights share: Llama's decoder.
+"""What all the families' Hugging Face configs and weights share: Llama's decoder.
 
 Mistral, Qwen2 and Qwen3 are Llama's decoder with a few additions (see each family's module), and
 transformers spells their configs with Llama's keys and names their tensors with Llama's names. This
@@ -34,6 +34,7 @@ TOP_NAMES = {
 # The RoPE types phalanx computes: plain, and Llama 3.1's frequency scaling. transformers applies the same
 # rope_type the same way in every family, so all four accept both.
 ROPE_TYPES = ("default", "llama3")
+GQA_PROJECTIONS = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -48,8 +49,13 @@ def tensor_names(
     family's own per layer; the output projection is left out when tied (HF re-ties it on load). In an MoE
     layer (models/moe.py) the feed-forward's names are the family's `moe_names`: its router, and each
     expert's projections, which HF files hold one tensor per expert and phalanx stacks: those phalanx
-    names carry the expert's index, `layers.0.feed_forward.w1[3]` (expert_slice reads them)."""
-    layer_names = {**LAYER_NAMES, **family_layer_names}
+    names carry the expert's index, `layers.0.feed_forward.w1[3]` (expert_slice reads them); DeepSeek-V3's
+    also name the routing bias and the shared experts. Under multi-head latent attention the family's names
+    take the place of the shared q, k and v projections."""
+    shared = LAYER_NAMES
+    if args.attention == "mla":  # its own projections (the family's names) replace q, k and v
+        shared = {k: v for k, v in LAYER_NAMES.items() if k not in GQA_PROJECTIONS}
+    layer_names = {**shared, **family_layer_names}
     dense_ffn = {k for k in layer_names if k.startswith("feed_forward.")}
     names = {"tok_embeddings.weight": TOP_NAMES["tok_embeddings.weight"]}
     for i in range(args.n_layers):
@@ -64,6 +70,10 @@ def tensor_names(
             for e in range(args.n_experts):
                 for w in EXPERT_WEIGHTS:
                     names[f"layers.{i}.feed_forward.{w}[{e}]"] = f"model.layers.{i}.{moe_names[w].format(e=e)}"
+            if args.router_scoring == "sigmoid":  # the balancing bias (a buffer, saved with the weights)
+                names[f"layers.{i}.feed_forward.expert_bias"] = f"model.layers.{i}.{moe_names['expert_bias']}"
+            for w in EXPERT_WEIGHTS if args.n_shared_experts else ():
+                names[f"layers.{i}.feed_forward.shared.{w}.weight"] = f"model.layers.{i}.{moe_names['shared.' + w]}"
     names["norm.weight"] = TOP_NAMES["norm.weight"]
     if not args.tie_embeddings:
         names["output.weight"] = TOP_NAMES["output.weight"]
@@ -119,13 +129,14 @@ def rope_type(config: dict) -> str:
     return rope.get("rope_type", rope.get("type", "default"))
 
 
-def unsupported(config: dict) -> list[str]:
-    """The shared features phalanx's decoder cannot compute, as `key=value` strings (none: empty)."""
+def unsupported(config: dict, rope_types: tuple[str, ...] = ROPE_TYPES) -> list[str]:
+    """The shared features phalanx's decoder cannot compute, as `key=value` strings (none: empty).
+    rope_types: the RoPE types the family runs (DeepSeek-V3 adds yarn)."""
     found = []
     if config.get("hidden_act", "silu") != "silu":
         found.append(f"hidden_act={config['hidden_act']}")
     kind = rope_type(config)
-    if kind not in ROPE_TYPES:
+    if kind not in rope_types:
         found.append(f"rope_type={kind}")
     elif kind == "llama3" and any(rope_section(config).get(k) is None for k in LLAMA3_ROPE_KEYS):
         found.append(f"a llama3 rope scaling without all of {', '.join(LLAMA3_ROPE_KEYS)}")
@@ -170,9 +181,19 @@ def read_args(config: dict) -> dict:
 
 
 def rope_scaling(args: ModelArgs) -> dict | None:
-    """Llama 3.1 RoPE scaling as HF configs spell it (rope_type "llama3"), or None."""
+    """Llama 3.1's RoPE scaling or YaRN as HF configs spell them (rope_type "llama3" or "yarn"), or None."""
     if args.rope_scaling_factor == 1:
         return None
+    if args.rope_scaling_type == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": args.rope_scaling_factor,
+            "original_max_position_embeddings": args.rope_original_max_seq_len,
+            "beta_fast": args.yarn_beta_fast,
+            "beta_slow": args.yarn_beta_slow,
+            "mscale": args.yarn_mscale,
+            "mscale_all_dim": args.yarn_mscale_all_dim,
+        }
     return {
         "rope_type": "llama3",
         "factor": args.rope_scaling_factor,
@@ -180,6 +201,16 @@ def rope_scaling(args: ModelArgs) -> dict | None:
         "high_freq_factor": args.rope_high_freq_factor,
         "original_max_position_embeddings": args.rope_original_max_seq_len,
     }
+
+
+def deepseek_routing(args: ModelArgs) -> bool:
+    """Whether the model routes as DeepSeek-V3 does, which only family deepseek_v3 can write."""
+    return (
+        args.router_scoring != "softmax"
+        or args.n_expert_groups > 1
+        or args.n_shared_experts > 0
+        or args.routed_scaling_factor != 1
+    )
 
 
 def write_config(
