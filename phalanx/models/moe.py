@@ -79,7 +79,7 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.shared = FeedForward(dim, n_shared_experts * ffn_dim) if n_shared_experts else None
         self.aux_loss: torch.Tensor | None = None  # this forward's load-balancing loss, in training
-        self.routed: torch.Tensor | None = None  # tokens per expert since routing_counts() last took them
+        self.routed: torch.Tensor | None = None  # tokens per expert since the trainer last reset it
         # Set from outside under expert parallelism (parallel/expert_parallel.py): sends each row to the
         # rank holding its expert, computes there, and brings the result back.
         self.expert_parallel = None
@@ -186,19 +186,6 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def routing_counts(model: nn.Module) -> torch.Tensor | None:
-    """(MoE layers, experts): the tokens each expert was sent since the last call, over this process's
-    forwards (each token counted once for each of its k experts); the counts start again from zero.
-    None for a dense model, or before any forward."""
-    layers = moe_layers(model)
-    if not layers or any(m.routed is None for m in layers):
-        return None
-    counts = torch.stack([m.routed for m in layers])
-    for m in layers:
-        m.routed = None
-    return counts
 
 
 def imbalance(counts_LE: torch.Tensor) -> list[float]:

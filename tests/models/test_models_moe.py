@@ -15,7 +15,7 @@ import torch
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.families import hf_config
 from phalanx.models.flops import count_params
-from phalanx.models.moe import MoE, imbalance, routing_counts
+from phalanx.models.moe import MoE, imbalance
 from phalanx.models.presets import MODEL_PRESETS
 from phalanx.run.hf_format import read_hf_model
 from tests.helpers import phalanx, read_metrics, train_json
@@ -99,8 +99,8 @@ def test_grouped_gemms_equal_a_loop_over_the_experts_forward_and_backward(monkey
     torch.testing.assert_close(grouped_x.grad, looped_x.grad, rtol=1e-5, atol=1e-6)
     for name, param in layer.named_parameters():
         torch.testing.assert_close(param.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)
-    counts = routing_counts(layer)  # both forwards' tokens, each counted for its 2 experts
-    assert counts.shape == (1, 5) and int(counts.sum()) == 2 * 3 * 7 * 2 and routing_counts(layer) is None
+    counts = layer.routed  # both forwards' tokens, each counted for its 2 experts
+    assert counts.shape == (5,) and int(counts.sum()) == 2 * 3 * 7 * 2
     assert imbalance(torch.tensor([[2, 2, 2, 2], [8, 0, 0, 0]])) == [1.0, 4.0]
 
 
