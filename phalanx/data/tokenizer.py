@@ -253,3 +253,19 @@ def encode_documents(tokenizer: Tokenizer, documents: Iterable[str], chunk_size:
             ids = np.empty(len(head) + len(encoding.ids) + 1, dtype=np.uint32)
             ids[: len(head)], ids[len(head) : -1], ids[-1] = head, encoding.ids, specials.eos_id
             yield ids
+
+
+def hf_tokenizer_config(max_length: int, specials: SpecialTokens, chat_template: str) -> dict:
+    """tokenizer_config.json: what transformers' AutoTokenizer needs beyond tokenizer.json (an HF export
+    writes it; the server's /tokenizer_info answers it)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": specials.bos,
+        "eos_token": specials.eos,
+        "pad_token": None,
+        "add_bos_token": specials.bos_id is not None,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": chat_template,
+    }

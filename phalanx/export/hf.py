@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from phalanx.data.tokenizer import hf_tokenizer_config
 from phalanx.errors import PhalanxError
-from phalanx.export.tokenizer_files import hf_generation_config, hf_tokenizer_config, hf_tokenizer_json
+from phalanx.export.tokenizer_files import hf_generation_config, hf_tokenizer_json
 from phalanx.models.decoder import Transformer
 from phalanx.models.families import expert_slice, hf_config, hf_names
 from phalanx.run.hf_format import (

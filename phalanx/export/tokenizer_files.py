@@ -48,21 +48,6 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
     return tokenizer.to_str(pretty=True)
 
 
-def hf_tokenizer_config(max_length: int, specials: SpecialTokens, chat_template: str) -> dict:
-    """tokenizer_config.json: what transformers' AutoTokenizer needs beyond tokenizer.json."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": specials.bos,
-        "eos_token": specials.eos,
-        "pad_token": None,
-        "add_bos_token": specials.bos_id is not None,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_length,
-        "chat_template": chat_template,
-    }
-
-
 def hf_generation_config(specials: SpecialTokens) -> dict:
     """generation_config.json: generate() stops at every stop id (EOS, the end of turn, a checkpoint's
     others), a single id where EOS is the only one."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from phalanx.export.tokenizer_files import hf_tokenizer_config
+from phalanx.data.tokenizer import hf_tokenizer_config
 from phalanx.serve.core.contract import ServingEngine
 from phalanx.serve.core.served import ServedModel
 from phalanx.serve.http.common import ApiError, parse_body, read_json
