@@ -26,6 +26,9 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "observe": ("sqlalchemy", "alembic", "fastapi", "uvicorn", "prometheus_client", "plotly"),
     "postgres": ("psycopg",),
     "tensorboard": ("tensorboard",),
+    # data.sources of Hugging Face datasets (saved or on the hub) and of .jsonl.zst files: data/readers/
+    # checks for the one package a source needs (data/readers/optional.py), not the whole extra.
+    "data": ("datasets", "zstandard"),
 }
 
 

@@ -209,3 +209,16 @@ def test_the_readme_lists_every_extra():
     rows = table[: table.index("\n\n")].splitlines()[2:]
     named = {name for row in rows for name in re.findall(r"`([\w-]+)`", row.split("|")[1])}
     assert named == set(PROJECT["optional-dependencies"]) - {"test", "test-all"}  # those two: the Tests section
+
+
+@pytest.mark.parametrize("source", ["hf:org/name:train", "corpus.jsonl.zst"])
+def test_a_data_source_the_core_cannot_read_names_the_data_extra(core_env, tmp_path, source):
+    """Hub datasets need `datasets`, .jsonl.zst files `zstandard`: both from the data extra."""
+    (tmp_path / "corpus.jsonl.zst").write_bytes(b"")  # refused for the missing package, before it is read
+    proc = core_phalanx(
+        core_env, "data", "prepare", f"data.sources=[{source.replace('corpus', str(tmp_path / 'corpus'))}]",
+        f"run.dir={tmp_path / 'runs'}", "run.name=refused",
+    )  # fmt: skip
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and "pip install 'phalanx[data]'" in lines[0], lines

@@ -160,6 +160,6 @@ def _absolute_paths(config: Config) -> Config:
 
 
 def _absolute_source(source: str) -> str:
-    if source.startswith("builtin:"):
+    if source.startswith(("builtin:", "hf:")):  # hf: a Hugging Face hub dataset (data/readers/huggingface.py)
         return source
     return str(Path(source).expanduser().absolute())  # absolute(), not resolve(): globs stay globs

@@ -147,6 +147,7 @@ class DataSection(Section):
     tokenizer: str | None = None
     vocab_size: PositiveInt = 4096
     val_fraction: float = Field(0.05, gt=0, lt=0.5)
+    # The text of each record: a .jsonl(.gz/.zst) line's key, a Parquet or Hugging Face dataset's column.
     text_field: str = "text"
 
 

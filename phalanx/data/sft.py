@@ -1,14 +1,15 @@
 """Fine-tuning records (data.kind: sft) as examples: token ids, and which of them are trained.
 
-Records come from JSONL files (one JSON object a line) or Parquet files (one row each, read a record batch
-at a time), in one of three shapes, detected per file from its first record's keys or forced:
+Records come from JSONL files (one JSON object a line; .jsonl, .jsonl.gz or .jsonl.zst), Parquet files (one
+row each, read a record batch at a time) or Hugging Face datasets (saved to disk, or `hf:...` on the hub),
+all read by data/readers/, in one of three shapes, detected per file from its first record's keys or forced:
   - messages: {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]};
   - alpaca: {"instruction", "input" (optional), "output"}: a user message (the instruction, then a blank
     line and the input where there is one) and the assistant's reply (the output);
   - prompt_completion: {"prompt", "completion"}: plain text, no chat template: [BOS] + prompt + completion
     + EOS, the completion and EOS trained.
 Anything a record gets wrong is refused in one line naming it: `file:line`, or `file:row N` for Parquet
-(rows counted from 1, as lines are).
+and datasets (rows counted from 1, as lines are).
 
 Chat records render through the chat template (data/chat_template.py), and only the assistant's replies
 are trained (train_on_prompts: everything). A reply is located by rendering prefixes: the conversation up
@@ -34,7 +35,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from phalanx.data.chat_template import CHAT_TEMPLATE, read_template, render_chat
-from phalanx.data.corpus import Source, jsonl_values, play_to_text, resolve_files, shakespeare_files
+from phalanx.data.corpus import Source, play_to_text, resolve_files, shakespeare_files
+from phalanx.data.readers import RECORD_SUFFIXES, iter_rows
 from phalanx.data.shards import DEFAULT_MAX_TOKENS_PER_SHARD, ShardWriter, VerifiedShard
 from phalanx.data.tokenizer import BOS, EOS, SpecialTokens, special_tokens
 from phalanx.errors import PhalanxError
@@ -47,8 +49,6 @@ SHAPE_KEYS = {
 }
 ROLES = ("system", "user", "assistant", "tool")
 TOO_LONG = ("refuse", "truncate")
-SUFFIXES = (".jsonl", ".parquet")
-PARQUET_BATCH_ROWS = 1024  # rows in memory at once
 ENCODE_CHUNK = 64  # records encoded in one encode_batch call (parallel, in Rust)
 TURN_END = "\n\n"  # what phalanx's template writes after each message's text
 
@@ -95,11 +95,11 @@ class SftStats:
 
 
 def resolve_sft_sources(sources: list[str], base_dir: Path) -> list[Source]:
-    """data.sources for fine-tuning: .jsonl and .parquet files, directories and globs, resolved as text
-    sources are (corpus.resolve_files: sorted, so the order of records never depends on the filesystem),
+    """data.sources for fine-tuning: record files (.jsonl, .jsonl.gz, .jsonl.zst, .parquet), saved Hugging
+    Face datasets, directories and globs of them, and hub names (hf:...), resolved as text sources are (corpus.resolve_files: sorted, so the order of records never depends on the filesystem),
     and builtin:shakespeare-dialogue (play_dialogue)."""
     files = [str(s) for s in sources if str(s) != BUILTIN_DIALOGUE]
-    found = set(resolve_files(files, base_dir, SUFFIXES, lambda suffix: suffix[1:])) if files else set()
+    found = set(resolve_files(files, base_dir, RECORD_SUFFIXES)) if files else set()
     if len(files) < len(sources):
         found |= {Source(path, "dialogue") for path in shakespeare_files()}
     return sorted(found)
@@ -160,8 +160,7 @@ def _raw_records(source: Source) -> Iterator[tuple[str, dict[str, Any]]]:
     if source.kind == "dialogue":
         yield from _dialogue_records(source.path)
         return
-    raw = _parquet_rows(source.path) if source.kind == "parquet" else _jsonl_lines(source.path)
-    for where, value in raw:
+    for where, value in iter_rows(source.path, source.kind):
         if not isinstance(value, dict):
             raise PhalanxError(f"{where}: a record must be a JSON object, not {type(value).__name__}")
         yield where, value
@@ -171,28 +170,6 @@ def _dialogue_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     for n, (said, answer) in enumerate(play_dialogue(path.read_text(encoding="utf-8")), start=1):
         messages = [{"role": "user", "content": said}, {"role": "assistant", "content": answer}]
         yield f"{path}:pair {n}", {"messages": messages}
-
-
-def _jsonl_lines(path: Path) -> Iterator[tuple[str, Any]]:
-    for lineno, value in jsonl_values(path):
-        yield f"{path}:{lineno}", value
-
-
-def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    try:
-        import pyarrow
-        import pyarrow.parquet
-    except ImportError:
-        raise PhalanxError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-    try:
-        batches = pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS)
-        row = 0
-        for batch in batches:  # a batch at a time: a large file never sits in memory whole
-            for value in batch.to_pylist():
-                row += 1
-                yield f"{path}:row {row}", value
-    except (OSError, pyarrow.ArrowException) as e:
-        raise PhalanxError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
 
 
 def _detect_shape(raw: dict[str, Any], where: str) -> str:

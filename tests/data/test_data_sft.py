@@ -207,11 +207,15 @@ def test_unreadable_parquet_and_other_sources_are_refused(tmp_path):
         prepare(tmp_path)
     (tmp_path / "data" / "d.parquet").unlink()
     (tmp_path / "data" / "notes.txt").write_text("plain text")
-    with pytest.raises(PhalanxError, match=r"holds no \.jsonl/\.parquet files"):
+    with pytest.raises(PhalanxError, match=r"holds no \.jsonl/\.jsonl\.gz/\.jsonl\.zst/\.parquet files"):
         prepare(tmp_path)
-    with pytest.raises(PhalanxError, match=r"has unsupported type '\.txt'; use \.jsonl, \.parquet"):
+    with pytest.raises(
+        PhalanxError, match=r"has unsupported type '\.txt'; use \.jsonl, \.jsonl\.gz, \.jsonl\.zst, \.parquet"
+    ):
         prepare(tmp_path, sources=["data/notes.txt"])
-    with pytest.raises(PhalanxError, match=r"is plain text; these sources are \.jsonl/\.parquet files"):
+    with pytest.raises(
+        PhalanxError, match=r"is plain text; these sources are \.jsonl/\.jsonl\.gz/\.jsonl\.zst/\.parquet files"
+    ):
         prepare(tmp_path, sources=["builtin:shakespeare"])
 
 
