@@ -15,6 +15,7 @@ from rich.text import Text
 
 from phalanx.console import DEBUG_ENV, err
 from phalanx.errors import PhalanxError, StoppedBySignal
+from phalanx.eval.commands import register as register_eval
 from phalanx.export.commands import register as register_export
 from phalanx.job.commands import register as register_job
 from phalanx.launch.cluster.commands import register as register_cluster
@@ -45,6 +46,7 @@ for register in (
     register_cluster,
     register_train,
     register_serve,
+    register_eval,
     register_observe,
     register_export,
     register_plan,

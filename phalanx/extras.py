@@ -29,7 +29,12 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     # data.sources of Hugging Face datasets (saved or on the hub) and of .jsonl.zst files: data/readers/
     # checks for the one package a source needs (data/readers/optional.py), not the whole extra.
     "data": ("datasets", "zstandard"),
+    # `phalanx eval --tasks`: lm-evaluation-harness (with its [api] models).
+    "eval": ("lm_eval",),
 }
+# Extras that `all` leaves out: the harness brings dozens of packages (metrics, tokenisers, data sets)
+# that no other command needs.
+NOT_IN_ALL = frozenset({"eval"})
 
 
 def missing(extra: str) -> list[str]:

@@ -21,6 +21,7 @@ RUNS_ROOT/                   `run.dir` in the config
     .lock                    held by the launch that owns the run
     .share-probe-TOKEN       a cluster launcher's check that every node sees this directory (removed)
     checkpoints/step_N/      one checkpoint per save (see phalanx/run/checkpoints.py)
+    eval/step_N-TIME.json    a `phalanx eval` of checkpoint step_N (lm-eval tasks or bits per byte)
     checkpoints.before-NS/   an earlier line of checkpoints, moved aside by checkpoint.resume=never|PATH
 
 A checkpoint directory holds DCP files, rng_rank{R}.pt, trainer.json and manifest.json (written last).
@@ -56,6 +57,7 @@ METRICS_PORT = "metrics_port"
 LOCK = ".lock"
 SHARE_PROBE = ".share-probe"
 CHECKPOINTS = "checkpoints"
+EVAL = "eval"
 
 # Inside one checkpoint directory.
 TRAINER_STATE = "trainer.json"
@@ -162,6 +164,10 @@ class RunDir:
     def share_probe(self, token: str) -> Path:
         """Written by node 0 of a cluster launch and read by every other node: a shared filesystem check."""
         return self.path / f"{SHARE_PROBE}-{token}"
+
+    def eval_result(self, step: int, stamp: str) -> Path:
+        """Where `phalanx eval` keeps what it measured on checkpoint `step` at time `stamp`."""
+        return self.path / EVAL / f"{step_dir_name(step)}-{stamp}.json"
 
     def checkpoints_aside(self, stamp: int) -> Path:
         return self.path / f"{CHECKPOINTS}.before-{stamp}"
