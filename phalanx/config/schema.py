@@ -137,8 +137,14 @@ class SftSection(Section):
 
 
 class DataSection(Section):
+    # Each entry a path, glob, builtin: or hf: name, or {path: ..., weight: ...} to mix the entries by weight
+    # (data/mixture.py) rather than by the tokens each holds; the weights are then kept in `weights`.
     sources: list[str] = Field(default_factory=lambda: ["builtin:shakespeare"], min_length=1)
+    weights: list[float] | None = None  # one per entry of `sources`, any scale (0.7/0.3 or 7/3)
+    # A weighted source whose windows are all used: start it again (its epoch +1) or end the run.
+    mixture_exhausted: Literal["repeat", "stop"] = "repeat"
     OFF_MEANS = {"tokenizer": None}
+    WEIGHTED_KEYS: ClassVar[tuple[str, ...]] = ("path", "weight")
 
     kind: Literal["text", "sft"] = "text"  # sft: fine-tuning records (chat messages, alpaca, prompt/completion)
     sft: SftSection = Field(default_factory=SftSection)
@@ -149,6 +155,54 @@ class DataSection(Section):
     val_fraction: float = Field(0.05, gt=0, lt=0.5)
     # The text of each record: a .jsonl(.gz/.zst) line's key, a Parquet or Hugging Face dataset's column.
     text_field: str = "text"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_weighted_sources(cls, data: Any) -> Any:
+        """`sources: [{path: A, weight: 0.7}, ...]` becomes `sources: [A, ...]` and `weights: [0.7, ...]`, so
+        everything that reads data.sources still sees paths, and the saved config loads back the same."""
+        if not isinstance(data, dict) or not isinstance(data.get("sources"), list):
+            return data
+        entries = data["sources"]
+        if not any(isinstance(e, dict) for e in entries):
+            return data
+        if not all(isinstance(e, dict) for e in entries):
+            raise ValueError("data.sources: give every source a weight ({path: ..., weight: ...}) or none")
+        if data.get("weights") is not None:
+            raise ValueError("data.sources: give the weights with the sources or in data.weights, not both")
+        for entry in entries:
+            for key in entry:
+                if key not in cls.WEIGHTED_KEYS:
+                    import difflib  # only here: the one place a key inside a list item is checked by hand
+
+                    close = difflib.get_close_matches(str(key), cls.WEIGHTED_KEYS, n=1)
+                    hint = f"; did you mean '{close[0]}'?" if close else f" (it takes {', '.join(cls.WEIGHTED_KEYS)})"
+                    raise ValueError(f"unknown key '{key}' in a data.sources entry{hint}")
+            missing = [k for k in cls.WEIGHTED_KEYS if k not in entry]
+            if missing:
+                raise ValueError(
+                    f"data.sources entry {entry} has no {missing[0]}: give each {{path: ..., weight: ...}}"
+                )
+        return {**data, "sources": [e["path"] for e in entries], "weights": [e["weight"] for e in entries]}
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> DataSection:
+        if self.weights is None:
+            if self.mixture_exhausted != "repeat":
+                raise ValueError("data.mixture_exhausted applies to weighted data.sources ({path: ..., weight: ...})")
+            return self
+        if len(self.weights) != len(self.sources):
+            raise ValueError(
+                f"data.weights has {len(self.weights)} weights for {len(self.sources)} data.sources: one per source"
+            )
+        for source, weight in zip(self.sources, self.weights):
+            if not 0 <= weight < float("inf"):  # also refuses nan
+                raise ValueError(f"data source {source} has weight {weight}: weights must be 0 or more")
+        if sum(self.weights) <= 0:
+            raise ValueError("data.sources weights add up to 0: give at least one source a positive weight")
+        if self.kind != "text":
+            raise ValueError("data.sources weights mix text; fine-tuning (data.kind: sft) takes none")
+        return self
 
 
 class TrainSection(Section):

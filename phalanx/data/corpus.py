@@ -54,12 +54,19 @@ def resolve_files(sources: list[str], base_dir: Path, kinds: dict[str, str]) -> 
     """Every source the entries name (files, saved datasets, directories searched recursively, globs, hub
     names), sorted and de-duplicated; `kinds` maps the file suffixes accepted to how each is read.
     Fine-tuning records (data/sft.py) resolve through here too, with their own types."""
+    return sorted(entry_of_files(sources, base_dir, kinds))
+
+
+def entry_of_files(sources: list[str], base_dir: Path, kinds: dict[str, str] = TEXT_SUFFIXES) -> dict[Source, int]:
+    """Every source the entries name -> the index of the first entry naming it: which `data.sources` entry a
+    file's tokens belong to when sources are mixed by weight (data/mixture_sources.py)."""
     if not sources:
         raise PhalanxError("no data sources given: set data.sources to a file, directory, glob or builtin:shakespeare")
-    found: set[Source] = set()
-    for entry in sources:
-        found.update(_resolve_one(str(entry), Path(base_dir), kinds))
-    return sorted(found)
+    found: dict[Source, int] = {}
+    for index, entry in enumerate(sources):
+        for source in _resolve_one(str(entry), Path(base_dir), kinds):
+            found.setdefault(source, index)
+    return found
 
 
 def _resolve_one(entry: str, base_dir: Path, kinds: dict[str, str]) -> list[Source]:
@@ -146,12 +153,18 @@ def shakespeare_files() -> list[Path]:
 
 def iter_documents(sources: list[Source], text_field: str = "text") -> Iterator[str]:
     """Yield every non-empty document in order; raise if the corpus as a whole holds no text."""
+    return (doc for _, doc in iter_sourced_documents(sources, text_field))
+
+
+def iter_sourced_documents(sources: list[Source], text_field: str = "text") -> Iterator[tuple[int, str]]:
+    """(index of its source in `sources`, document) of every non-empty document, in order: preparation
+    counts each file's tokens with it, so that sources can later be mixed by weight."""
     any_text = False
-    for source in sources:
+    for index, source in enumerate(sources):
         for doc in _read(source, text_field):
             if doc.strip():
                 any_text = True
-                yield doc
+                yield index, doc
     if not any_text:
         names = ", ".join(str(s.path) for s in sources[:3]) + (", ..." if len(sources) > 3 else "")
         raise PhalanxError(f"corpus is empty: no text in {len(sources)} source file(s) ({names})")

@@ -21,6 +21,7 @@ import os
 import shutil
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from phalanx.data.chat_template import CHAT_TEMPLATE
-from phalanx.data.corpus import iter_documents, resolve_sources, sources_fingerprint
+from phalanx.data.corpus import entry_of_files, iter_documents, iter_sourced_documents, sources_fingerprint
 from phalanx.data.sft import (
     ExampleWriter,
     SftOptions,
@@ -40,6 +41,7 @@ from phalanx.data.sft import (
     tokenizer_texts,
 )
 from phalanx.data.shards import ShardWriter, VerifiedShard
+from phalanx.data.source_groups import save_source_groups
 from phalanx.data.tokenizer import companion_files, encode_documents, load_tokenizer, train_tokenizer
 from phalanx.errors import PhalanxError
 
@@ -68,6 +70,9 @@ class PreparedData:
     val_mask_shards: list[Path] = field(default_factory=list)
     val_length_shards: list[Path] = field(default_factory=list)
     examples: dict = field(default_factory=dict)  # counts: records, train, val, truncated, dropped, ...
+    # Text: the [train, val] tokens of each source file, in the manifest's `files` order (none in data
+    # prepared before sources could be mixed by weight): where each file's tokens lie in the splits.
+    file_tokens: list[list[int]] = field(default_factory=list)
 
     @property
     def shards(self) -> list[Path]:
@@ -103,6 +108,7 @@ class PreparedData:
                 val_mask_shards=paths("val_mask_shards"),
                 val_length_shards=paths("val_length_shards"),
                 examples=dict(m.get("examples", {})),
+                file_tokens=[list(pair) for pair in m.get("file_tokens", [])],
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             message = f"prepared data in {dir} is unreadable ({e}); delete the directory to rebuild it"
@@ -124,7 +130,8 @@ def prepare_data(
     if not 0.0 <= val_fraction < 1.0:
         raise PhalanxError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
     base_dir, cache_root = Path(base_dir), Path(cache_root)
-    resolved = resolve_sources(sources, base_dir) if sft is None else resolve_sft_sources(sources, base_dir)
+    owners = entry_of_files(sources, base_dir) if sft is None else None  # text: each file's data.sources entry
+    resolved = sorted(owners) if sft is None else resolve_sft_sources(sources, base_dir)
     tokenizer_file = None
     if tokenizer is not None:
         tokenizer_file = base_dir / Path(tokenizer).expanduser()
@@ -139,6 +146,8 @@ def prepare_data(
         if sum(p.stat().st_size for p in shards if p.is_file()) <= VERIFY_ON_REUSE_BYTES:
             for path in shards:
                 VerifiedShard(path).verify_all()
+        if owners is not None:  # these entries may group the same files differently from the first ones
+            save_source_groups(final, sources, [owners[s] for s in resolved])
         return data
 
     cache_root.mkdir(parents=True, exist_ok=True)
@@ -146,6 +155,8 @@ def prepare_data(
     tmp.mkdir()
     try:
         _build(tmp, resolved, sources, vocab_size, tokenizer_file, val_fraction, text_field, progress, sft, template)
+        if owners is not None:
+            save_source_groups(tmp, sources, [owners[s] for s in resolved])
         try:
             os.rename(tmp, final)
         except OSError:
@@ -183,7 +194,15 @@ def _build(
                 f"set vocab_size to at least {actual_vocab}"
             )
         if sft is None:
-            counts = _write_shards(encode_documents(tok, docs("tokenising")), dir, actual_vocab, val_fraction)
+            file_of_doc: deque[int] = deque()  # the file of each document handed to the encoder, in order
+
+            def sourced_docs():
+                for index, doc in iter_sourced_documents(resolved, text_field):
+                    file_of_doc.append(index)
+                    yield doc
+
+            token_docs = encode_documents(tok, _counting(sourced_docs(), bar, "tokenising"))
+            counts = _write_shards(token_docs, dir, actual_vocab, val_fraction, file_of_doc, len(resolved))
         else:
             stats = SftStats()
             examples = _counting(iter_examples(resolved, sft, tok, template, stats), bar, "tokenising", "examples")
@@ -220,11 +239,20 @@ def _cache_key(resolved, vocab_size, tokenizer_file, val_fraction, text_field, s
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
-def _write_shards(token_docs: Iterator[np.ndarray], dir: Path, vocab_size: int, val_fraction: float) -> dict:
+def _write_shards(
+    token_docs: Iterator[np.ndarray],
+    dir: Path,
+    vocab_size: int,
+    val_fraction: float,
+    file_of_doc: deque[int],
+    files: int,
+) -> dict:
     """The last `val_fraction` of each document's tokens goes to val, so even a corpus of a few long
     documents gets a held-out split. Documents shorter than 1/val_fraction tokens would contribute
-    nothing that way; when the val share falls behind by a whole such document, it goes to val entire."""
+    nothing that way; when the val share falls behind by a whole such document, it goes to val entire.
+    `file_of_doc` yields the file of each document in turn: each file's [train, val] tokens are counted."""
     seen = val = documents = 0
+    file_tokens = [[0, 0] for _ in range(files)]
     with ShardWriter(dir, "train", vocab_size) as train_w, ShardWriter(dir, "val", vocab_size) as val_w:
         for ids in token_docs:
             documents += 1
@@ -235,12 +263,16 @@ def _write_shards(token_docs: Iterator[np.ndarray], dir: Path, vocab_size: int, 
             train_w.write(ids[: len(ids) - n_val])
             val_w.write(ids[len(ids) - n_val :])
             val += n_val
+            counts = file_tokens[file_of_doc.popleft()]
+            counts[0] += len(ids) - n_val
+            counts[1] += n_val
     return {
         "documents": documents,
         "train_shards": [p.name for p in train_w.paths],
         "val_shards": [p.name for p in val_w.paths],
         "train_tokens": train_w.total_tokens,
         "val_tokens": val_w.total_tokens,
+        "file_tokens": file_tokens,
     }
 
 

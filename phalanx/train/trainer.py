@@ -23,7 +23,8 @@ import torch
 
 from phalanx.config.schema import Config
 from phalanx.data.datasets import split_datasets
-from phalanx.data.loader import BatchLoader, check_batch_sizes
+from phalanx.data.loader import check_batch_sizes
+from phalanx.data.mixture_sources import train_loader
 from phalanx.data.tokenizer import load_tokenizer, special_tokens
 from phalanx.errors import PreemptedError
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
@@ -158,8 +159,12 @@ class Trainer:
         if data.kind == "sft":
             check_fine_tuning_layout(config.parallel)
         train_data, val_data = split_datasets(data, tc.seq_len, config.data.sft.pack)
-        self.loader = BatchLoader(
+        self.loader = train_loader(  # weighted data.sources: drawn from each source by weight
+            data,
             train_data,
+            config.data.sources,
+            config.data.weights,
+            config.data.mixture_exhausted,
             tc.seq_len,
             tc.global_batch_size,
             tc.micro_batch(env.dp_world),
@@ -167,6 +172,7 @@ class Trainer:
             env.dp_world,
             tc.seed,
             pin_memory=env.device.type == "cuda",
+            on_repeat=self._source_repeated,
         )
         self.evaluator = Evaluator(
             val_data,
@@ -278,6 +284,7 @@ class Trainer:
                     **self._device_rates(tps),
                     peak_mem_gib=peak_memory_gib(self.env.device),
                     tokens_seen=step * self.tokens_per_step,
+                    **self._tokens_by_source(),
                 )
                 if step % tc.eval_interval == 0 or step == tc.max_steps:
                     record.update(self._evaluate(step))
@@ -495,6 +502,16 @@ class Trainer:
         if self.env.is_main:
             self.events.emit(kind, rank=0, **details)
 
+    def _tokens_by_source(self) -> dict[str, Any]:
+        """Weighted data.sources: the tokens trained on from each so far; nothing for plain sources."""
+        counts = getattr(self.loader, "tokens_by_source", None)
+        return {"tokens_by_source": counts} if counts is not None else {}
+
+    def _source_repeated(self, line: str, **details: Any) -> None:
+        """A weighted source ran out and starts again (data.mixture_exhausted: repeat): said once."""
+        notice(line, self.env.is_main)
+        self._emit("data_source_repeated", **details)
+
     def _device_rates(self, tokens_per_sec: float | None) -> dict[str, float | None]:
         """Achieved TFLOP/s and MFU of one device, from the global token rate."""
         if not tokens_per_sec:
@@ -507,6 +524,7 @@ class Trainer:
             "run_dir": str(self.run_dir),
             "steps": steps_done,
             "tokens_seen": steps_done * self.tokens_per_step,
+            **self._tokens_by_source(),
             "val_loss_start": self.state.get("val_loss_start"),
             "val_loss_final": self.state.get("val_loss"),
             "train_loss_final": self.state.get("train_loss"),
