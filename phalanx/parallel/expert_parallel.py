@@ -108,11 +108,9 @@ class ExpertGradients:
         grads = [p.grad.to_local() for p in self.params if p.grad is not None]
         if not grads:
             return
-        if self.replicas > 1:
-            flat = torch.cat([g.flatten() for g in grads])
-            dist.all_reduce(flat, group=self.replicas_group)
-            parts = flat.split([g.numel() for g in grads])
-            torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads)])
+        if self.replicas > 1:  # each in place: one flat copy of them all would be the step's peak at scale
+            for grad in grads:
+                dist.all_reduce(grad, group=self.replicas_group)
         torch._foreach_div_(grads, self.dp)
 
 

@@ -65,6 +65,7 @@ def register(app: typer.Typer) -> None:
         cp: int = typer.Option(None, "--cp", metavar="N", help="Context-parallel ranks (sequence split)."),
         dp_shard: int = typer.Option(None, "--dp-shard", metavar="N", help="FSDP shard group (default: the rest)."),
         dp_replicate: int = typer.Option(None, "--dp-replicate", metavar="N", help="Replicas (HSDP's outer dim)."),
+        ep: int = typer.Option(None, "--ep", metavar="N", help="Expert-parallel ranks within dp_shard (MoE)."),
         pp_schedule: str = typer.Option(None, "--pp-schedule", help="1f1b, interleaved_1f1b or gpipe."),
         no_trace: bool = typer.Option(
             False,
@@ -106,13 +107,15 @@ def register(app: typer.Typer) -> None:
             activation_checkpointing=ac,
             overrides=overrides or [],
         )
-        layout_given = any(v is not None for v in (tp, pp, cp, dp_shard, dp_replicate))
+        layout_given = any(v is not None for v in (tp, pp, cp, dp_shard, dp_replicate, ep))
         if not layout_given and job.config_layout is not None and strategy is None and not compare:
             layout_given = True  # a run config's own layout, planned as the flags would plan it
-            tp, pp, dp_shard, dp_replicate = (job.config_layout[k] for k in ("tp", "pp", "dp_shard", "dp_replicate"))
+            tp, pp, dp_shard, dp_replicate, ep = (
+                job.config_layout[k] for k in ("tp", "pp", "dp_shard", "dp_replicate", "ep")
+            )
         if layout_given and (compare or strategy is not None):
             raise PhalanxError(
-                "a layout (--tp/--pp/--cp/--dp-shard/--dp-replicate) is planned on one device and "
+                "a layout (--tp/--pp/--cp/--dp-shard/--dp-replicate/--ep) is planned on one device and "
                 "replaces --strategy; drop --compare / --strategy"
             )
         # A model preset with no layout and no strategy: propose one. A run config keeps its strategy.
@@ -125,7 +128,7 @@ def register(app: typer.Typer) -> None:
 
             job = dataclasses.replace(job, cp=cp or job.cp, pp_schedule=pp_schedule or job.pp_schedule)
             if layout_given:
-                par = propose.given_layout(job, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp)
+                par = propose.given_layout(job, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
                 result = propose.plan_layout(job, devices[0], par, mfu=mfu, headroom=headroom, do_trace=not no_trace)
             else:
                 result = propose.propose(job, devices[0], mfu=mfu, headroom=headroom, do_trace=not no_trace)

@@ -38,6 +38,7 @@ from phalanx.parallel.apply import parallelize
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.device import compute_dtype
 from phalanx.parallel.distributed import init_distributed, teardown
+from phalanx.parallel.expert_parallel import expert_gradients
 from phalanx.parallel.mesh import Layout, build_mesh
 from phalanx.train.optim import build_optimizer
 from phalanx.train.step import train_step
@@ -58,6 +59,7 @@ def measure(
     overrides: dict[str, Any] | None = None,
     tp: int = 1,
     lora_rank: int = 0,
+    ep: int = 1,
 ) -> dict[str, Any]:
     """Peak live tensor bytes of this rank over `steps` optimizer steps (the second is the steady
     state: optimizer states exist while activations are alive)."""
@@ -74,8 +76,9 @@ def measure(
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with record_function(BUILD):
                 torch.manual_seed(0)
-                if tp > 1:  # a 2-D layout: built as training builds it (meta, TP, FSDP2, materialised)
-                    layout = Layout(1, env.world_size // tp, tp)
+                layout = None
+                if tp > 1 or ep > 1:  # built as training builds it (meta, TP, experts split, FSDP2, materialised)
+                    layout = Layout(1, env.world_size // tp, tp, ep=ep)
                     model = build_parallel_model(
                         args,
                         layout,
@@ -104,7 +107,9 @@ def measure(
                     )
                 optimizer = build_optimizer(model, train)
                 params = [p for p in model.parameters() if p.requires_grad]
-            fsdp = env.distributed and (strategy == "fsdp" if tp == 1 else uses_fsdp(layout))
+            fsdp = env.distributed and (strategy == "fsdp" if layout is None else uses_fsdp(layout))
+            # expert parallelism's share of the gradients, as the trainer completes them
+            finish = expert_gradients(model, layout) if layout is not None else None
             # As the trainer: under FSDP the mixed-precision policy casts parameters, elsewhere autocast does.
             autocast = (
                 (lambda: torch.autocast("cpu", dtype=cdtype))
@@ -125,8 +130,9 @@ def measure(
                         device=env.device,
                         grad_clip=train.grad_clip,
                         autocast=autocast,
+                        finish_gradients=finish,
                     )
-            del model, optimizer, params, micro_batches
+            del model, optimizer, params, micro_batches, finish
             gc.collect()  # everything built above is freed inside the trace
         peak, unpaired = _peak_live_bytes(prof.profiler.kineto_results)
         clean = True
@@ -139,6 +145,7 @@ def measure(
         "model": overrides or {},
         "strategy": strategy,
         "tp": tp,
+        "ep": ep,
         "lora_rank": lora_rank,
         "micro_batch": micro_batch,
         "seq_len": seq_len,
@@ -234,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         help="override a model shape field of the preset, e.g. vocab_size=512",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the rest shard with FSDP)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a mixture of experts)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear")
     parser.add_argument("--out", type=Path, required=True)
     opts = parser.parse_args(argv)
@@ -250,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         overrides=overrides,
         tp=opts.tp,
         lora_rank=opts.lora_rank,
+        ep=opts.ep,
     )
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / f"rank{result['rank']}.json").write_text(json.dumps(result))

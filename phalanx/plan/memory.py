@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs
 from phalanx.models.lora import TARGETS
+from phalanx.plan.blocks import BlockKind, block_kinds, mla_saved, moe_backward_temporaries, moe_saved
 
 FP32, BF16, INT64 = 4, 2, 8
 
@@ -68,6 +69,9 @@ class Workload:
     # LoRA (models/lora.py): adapters of this rank on lora_targets train, everything else is frozen; 0: off.
     lora_rank: int = 0
     lora_targets: str = "all"
+    # Expert parallelism (parallel/expert_parallel.py): ranks of the FSDP group (world_size) that split a
+    # mixture of experts' experts; each holds n_experts / ep of them whole, outside FSDP.
+    ep: int = 1
 
     def __post_init__(self):
         if self.strategy not in ("none", "ddp", "fsdp"):
@@ -78,9 +82,14 @@ class Workload:
             raise PhalanxError(
                 f"dtype must be bfloat16|float32 and device kind gpu|cpu, not {self.dtype}, {self.device_kind}"
             )
-        for name in ("world_size", "micro_batch", "seq_len", "accumulation", "tp", "in_flight"):
+        for name in ("world_size", "micro_batch", "seq_len", "accumulation", "tp", "in_flight", "ep"):
             if getattr(self, name) < 1:
                 raise PhalanxError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
+        if self.ep > 1 and (self.strategy != "fsdp" or self.world_size % self.ep or self.args.n_experts % self.ep):
+            raise PhalanxError(
+                f"ep {self.ep} must divide the FSDP ranks ({self.world_size}, {self.strategy}) and the "
+                f"{self.args.n_experts} experts"
+            )
         if self.seq_len > self.args.max_seq_len:
             raise PhalanxError(
                 f"sequence length {self.seq_len} exceeds the model's max_seq_len {self.args.max_seq_len}"
@@ -182,40 +191,72 @@ class _Live:
             self.at_peak = {c: self.now[c] for c in CATEGORIES if self.now[c]}
 
 
+@dataclass(frozen=True)
+class _KindSizes:
+    """One block kind's sizes on this rank (blocks.py): FSDP's group and the experts held apart."""
+
+    numel: int  # FSDP's group (the experts too unless expert parallelism holds them)
+    padded: int
+    matmul: int  # linear weights, which autocast copies to bf16 and caches
+    trained: int
+    trained_padded: int
+    tensors: int  # trained parameter tensors (AdamW's step counters)
+    experts: float  # experts this rank holds outside FSDP (ep > 1): n_experts / ep of them, whole
+    expert_cast: int  # bytes of the experts' bf16 copies MoE.experts makes and the grouped GEMMs keep
+
+
 class _StepWalk:
     def __init__(self, w: Workload):
         self.w, a = w, w.args
         self.live = _Live()
         n = w.world_size if w.sharded else 1
         shapes = param_shapes(a, w.tp, w.lora_rank, w.lora_targets)
-        shapes["block"] = shapes["block"] + shapes["adapters"]  # the adapters live in their block's group
         numel = lambda s: math.prod(s)  # noqa: E731
         padded = lambda s: math.ceil(s[0] / n) * n * math.prod(s[1:])  # FSDP2 pads dim 0 to N rows
+        lora = w.lora_rank > 0
+        # Each layer's kind (one for a dense model; dense and MoE blocks for a mixture of experts).
+        self.layers = block_kinds(a, w.tp)
+        self.sizes: dict[str, _KindSizes] = {}
+        for kind in {k.name: k for k in self.layers}.values():
+            group = kind.shapes + shapes["adapters"] + (kind.experts if w.ep == 1 else [])
+            trained = shapes["adapters"] if lora else group
+            experts = sum(numel(s) for s in kind.experts) / w.ep if w.ep > 1 else 0
+            # The experts' .to(compute dtype) (models/moe.py) copies them where FSDP has not already
+            # gathered them in bf16: under autocast, and under expert parallelism (float32, outside FSDP).
+            held = sum(numel(s) for s in kind.experts) / w.ep
+            cast = w.regime == "autocast" or (w.ep > 1 and w.regime != "float32")
+            self.sizes[kind.name] = _KindSizes(
+                numel=sum(numel(s) for s in group),
+                padded=sum(padded(s) for s in group),
+                matmul=sum(numel(s) for s in group if len(s) == 2),
+                trained=sum(numel(s) for s in trained),
+                trained_padded=sum(padded(s) for s in trained),
+                tensors=len(trained) + (len(kind.experts) if w.ep > 1 else 0),
+                experts=experts,
+                expert_cast=int(BF16 * held) if cast and kind.experts else 0,
+            )
+        layer_sizes = [self.sizes[k.name] for k in self.layers]
         self.root_numel = sum(numel(s) for s in shapes["root"])
-        self.block_numel = sum(numel(s) for s in shapes["block"])
         self.root_padded = sum(padded(s) for s in shapes["root"])
-        self.block_padded = sum(padded(s) for s in shapes["block"])
-        self.block_matmul = sum(numel(s) for s in shapes["block"] if len(s) == 2)  # autocast copies them all
-        self.total_numel = self.root_numel + a.n_layers * self.block_numel
-        local_numel = (self.root_padded + a.n_layers * self.block_padded) / n
+        self.total_numel = self.root_numel + sum(s.numel + s.experts for s in layer_sizes)
+        self.experts = sum(s.experts for s in layer_sizes)  # held outside FSDP, float32, whole
+        local_numel = (self.root_padded + sum(s.padded for s in layer_sizes)) / n + self.experts
         self.params = FP32 * local_numel
-        self.buffers = 2 * FP32 * a.max_seq_len * a.head_size  # RoPE cos and sin tables, never sharded
+        # RoPE cos and sin tables (never sharded), and DeepSeek-V3's routing biases (float32 buffers).
+        biases = a.n_experts * sum(k.moe for k in self.layers) if a.router_scoring == "sigmoid" else 0
+        self.buffers = 2 * FP32 * a.max_seq_len * a.rope_dim + FP32 * biases
         # What trains: everything, or under LoRA the adapters alone (the root and the base are frozen:
         # no gradient, no optimizer state, nothing to reduce).
-        lora = w.lora_rank > 0
         self.root_trained = 0 if lora else self.root_numel
         self.root_trained_padded = 0 if lora else self.root_padded
-        self.block_trained = sum(numel(s) for s in shapes["adapters"]) if lora else self.block_numel
-        self.block_trained_padded = sum(padded(s) for s in shapes["adapters"]) if lora else self.block_padded
-        trained_tensors = len(shapes["adapters"]) if lora else len(shapes["block"])
-        local_trained = (self.root_trained_padded + a.n_layers * self.block_trained_padded) / n
+        local_trained = (self.root_trained_padded + sum(s.trained_padded for s in layer_sizes)) / n + self.experts
         self.grads = FP32 * local_trained
         # AdamW: exp_avg and exp_avg_sq like each parameter, and one float32 `step` counter per parameter
         # tensor, which fused AdamW keeps on the parameter's device (on GPUs too, unlike the default).
-        n_tensors = (0 if lora else len(shapes["root"])) + a.n_layers * trained_tensors
+        n_tensors = (0 if lora else len(shapes["root"])) + sum(s.tensors for s in layer_sizes)
         self.states = 2 * FP32 * local_trained + FP32 * n_tensors
         # gradient_as_bucket_view=False: a copy
-        self.buckets = FP32 * (self.root_trained + a.n_layers * self.block_trained) if w.ddp else 0
+        self.buckets = FP32 * (self.root_trained + sum(s.trained for s in layer_sizes)) if w.ddp else 0
         # FSDP's all-gathered weights and their unsharded gradients: bf16 under its mixed precision.
         self.gather = BF16 if w.regime == "fsdp_bf16" else FP32
         self.act = FP32 if w.regime == "float32" else BF16  # matmul outputs
@@ -226,8 +267,12 @@ class _StepWalk:
         self.logits = self.act * self.btv  # the trainer's `logits`, referenced until the step returns
 
     # -- what each unit saves for backward ---------------------------------------------------------
-    def block_saved(self) -> int:
-        """Bytes autograd keeps for one block (without activation checkpointing)."""
+    def block_saved(self, kind: BlockKind | None = None) -> int:
+        """Bytes autograd keeps for one block of `kind` (default: the first layer's), without activation
+        checkpointing."""
+        kind = kind or self.layers[0]
+        if kind.moe or self.w.args.attention == "mla":
+            return self._mixed_block_saved(kind)
         a, w, bt, tp = self.w.args, self.w, self.bt, self.w.tp
         d, kv, f = a.dim, a.n_kv_heads * a.head_size // tp, a.ffn_dim // tp
         # Under TP, tensors of the residual stream (x, norms, h) hold 1/tp of the tokens ("seq"), each
@@ -246,6 +291,25 @@ class _StepWalk:
         # bf16: each norm output cast once for the projections that share it (wq/wk/wv, w1/w3:
         # models/fused_linear.py), q, SDPA out; k, v; the four SwiGLU tensors.
         return norms + BF16 * (2 * whole + 2 * heads + 2 * bt * kv + 4 * bt * f) + small
+
+    def _mixed_block_saved(self, kind: BlockKind) -> int:
+        """A block whose attention is latent (MLA) or whose feed-forward is a mixture of experts: its two
+        halves, each with its norm's tensors (blocks.py has what MLA and the MoE layer keep)."""
+        a, w, bt, tp = self.w.args, self.w, self.bt, self.w.tp
+        seq, whole = bt * a.dim // tp, bt * a.dim
+        act = self.act
+        if a.attention == "mla":
+            cpu = w.device_kind == "cpu"
+            attention = mla_saved(a, bt, w.micro_batch, w.seq_len, act, w.regime, self._norm_saved, cpu)
+        else:
+            kv, heads = a.n_kv_heads * a.head_size // tp, bt * a.n_heads * a.head_size // tp
+            lse = FP32 * w.micro_batch * a.n_heads // tp * w.seq_len
+            attention = act * (whole + 2 * heads + 2 * bt * kv) + lse
+        if kind.moe:  # not split by TP: the whole sequence goes through it
+            ffn = moe_saved(a, bt, act, self.residual, w.regime, w.ep)
+        else:
+            ffn = act * (whole + 4 * bt * a.ffn_dim // tp)
+        return 2 * self._norm_saved(seq) + 2 * FP32 * bt // tp + attention + ffn
 
     def _adapters_saved(self) -> int:
         """What LoRA's adapters add to a block's saved tensors: each A's output (for B's gradient), and
@@ -273,7 +337,7 @@ class _StepWalk:
         """RoPE's tables, made once per forward for every block (models/decoder.py: rope_rotation) and kept
         by each block's products: under bf16 the cos cast and the signed sin, both bf16, T x E; in
         float32 the signed sin only (cos is the buffer itself)."""
-        return (2 * BF16 if self.w.dtype == "bfloat16" else FP32) * self.w.seq_len * self.w.args.head_size
+        return (2 * BF16 if self.w.dtype == "bfloat16" else FP32) * self.w.seq_len * self.w.args.rope_dim
 
     def head_saved(self) -> int:
         """Final norm, output projection and loss: log_softmax's float32 result and the norm's tensors."""
@@ -288,11 +352,12 @@ class _StepWalk:
         """What a checkpointed block keeps: its input (the residual stream)."""
         return self.residual * self.bt * self.w.args.dim // self.w.tp
 
-    def autocast_copies(self) -> tuple[int, int]:
+    def autocast_copies(self, kind: BlockKind | None = None) -> tuple[int, int]:
         """bf16 copies of the matmul weights autocast makes and autograd keeps: (per block, output)."""
         if self.w.regime != "autocast":
             return 0, 0
-        return BF16 * self.block_matmul, BF16 * self.w.args.vocab_size // self.w.tp * self.w.args.dim
+        matmul = self.sizes[(kind or self.layers[0]).name].matmul
+        return BF16 * matmul, BF16 * self.w.args.vocab_size // self.w.tp * self.w.args.dim
 
     # -- the step ------------------------------------------------------------------------------------
     def run(self) -> MemoryEstimate:
@@ -302,8 +367,7 @@ class _StepWalk:
         live.add(BUCKETS, self.buckets, "start")
         live.add(ACTIVATIONS, 2 * INT64 * self.bt * w.accumulation, "start")  # every micro-batch's tokens
         # A pipeline stage's earlier micro-batches, waiting for their backward: their blocks' saved tensors.
-        per_block = self.block_input() if w.activation_checkpointing else self.block_saved()
-        live.add(ACTIVATIONS, (w.in_flight - 1) * (w.args.n_layers * per_block + self.rope_saved()), "start")
+        live.add(ACTIVATIONS, (w.in_flight - 1) * (self._blocks_saved() + self.rope_saved()), "start")
         saved = self._forward_saved()
         # Later micro-batches start with the earlier ones' gradients (and logits) alive; the last one
         # also reduces them, so the first and the last show the peak of any number.
@@ -322,9 +386,15 @@ class _StepWalk:
             activations=int(saved),
         )
 
+    def _blocks_saved(self) -> int:
+        """What every block keeps between its forward and its backward: its input under activation
+        checkpointing, else its saved tensors (and the experts' bf16 copies the grouped GEMMs keep)."""
+        if self.w.activation_checkpointing:
+            return len(self.layers) * self.block_input()
+        return sum(self.block_saved(k) + self.sizes[k.name].expert_cast for k in self.layers)
+
     def _forward_saved(self) -> int:
-        block = self.block_input() if self.w.activation_checkpointing else self.block_saved()
-        return self.w.args.n_layers * block + self.rope_saved() + self.head_saved() + self.logits
+        return self._blocks_saved() + self.rope_saved() + self.head_saved() + self.logits
 
     def _gather(self, numel_padded: float, moment: str) -> None:
         """FSDP all-gather of one group: the flat output buffer (and gloo's copy of it), then the
@@ -337,27 +407,33 @@ class _StepWalk:
         self.live.free(TEMPORARIES, nbytes)
 
     def _forward(self, micro: int) -> None:
-        w, live, a = self.w, self.live, self.w.args
-        per_block_copies, output_copy = self.autocast_copies()
+        w, live = self.w, self.live
+        output_copy = self.autocast_copies()[1]
+        cached = 0  # autocast's weight copies made so far
         if self.w.sharded:
             self._gather(self.root_padded, "forward: all-gather of the root group")
         live.add(ACTIVATIONS, self.rope_saved(), "forward: RoPE tables")
-        for i in range(a.n_layers):
+        for i, kind in enumerate(self.layers):
             where = f"forward: block {i}"
+            size, copies = self.sizes[kind.name], self.autocast_copies(kind)[0]
+            cached += copies
             if w.sharded:
-                self._gather(self.block_padded, where)
+                self._gather(size.padded, where)
             if w.activation_checkpointing:
                 live.add(ACTIVATIONS, self.block_input(), where)
-                # autocast caches its weight copies until the autocast region ends, checkpoint or not
-                live.add(WEIGHT_COPIES, per_block_copies, where)
+                # autocast caches its weight copies until the autocast region ends, checkpoint or not;
+                # the experts' explicit casts live only while the checkpointed block runs
+                live.add(WEIGHT_COPIES, copies, where)
+                live.spike(WEIGHT_COPIES, size.expert_cast, where)
             else:
-                live.add(ACTIVATIONS, self.block_saved(), where)
-                live.add(WEIGHT_COPIES, per_block_copies, where)
+                live.add(ACTIVATIONS, self.block_saved(kind), where)
+                live.add(WEIGHT_COPIES, copies + size.expert_cast, where)
             if w.sharded and w.device_kind == "gpu":
                 # The host runs ahead of the GPU: the next block's all-gather lands while this one computes.
-                live.spike(TEMPORARIES, self.gather * self.block_padded, where)
+                following = self.layers[i + 1] if i + 1 < len(self.layers) else kind
+                live.spike(TEMPORARIES, self.gather * self.sizes[following.name].padded, where)
             if w.sharded:
-                live.free(WEIGHT_COPIES, self.gather * self.block_padded)
+                live.free(WEIGHT_COPIES, self.gather * size.padded)
         live.add(WEIGHT_COPIES, output_copy, "forward: output projection")
         live.add(ACTIVATIONS, self.logits, "forward: logits")
         head = self.head_saved()
@@ -367,14 +443,15 @@ class _StepWalk:
         if micro > 0:
             live.free(ACTIVATIONS, self.logits)  # the previous micro-batch's logits, now unreferenced
         if w.activation_checkpointing:  # leaving autocast: copies nobody saved are freed
-            live.free(WEIGHT_COPIES, a.n_layers * per_block_copies)
+            live.free(WEIGHT_COPIES, cached)
 
     def _backward(self, micro: int, last: bool) -> None:
         w, live, a = self.w, self.live, self.w.args
-        per_block_copies, output_copy = self.autocast_copies()
+        output_copy = self.autocast_copies()[1]
         d, f, v = a.dim, a.ffn_dim // w.tp, a.vocab_size // w.tp
         fsdp_grad = self.gather  # FSDP's unsharded gradients come in the gathered dtype
-        prefetch = self.gather * self.block_padded if w.sharded else 0
+        gathered = lambda i: self.gather * self.sizes[self.layers[i].name].padded if w.sharded else 0  # noqa: E731
+        prefetch = gathered(len(self.layers) - 1)
 
         # Loss, then the output projection. The gradient reaching the logits fires FSDP's root
         # pre-backward, which prefetches the last block.
@@ -391,27 +468,35 @@ class _StepWalk:
         live.free(WEIGHT_COPIES, output_copy)
 
         rs_input = 0  # FSDP keeps the latest reduce-scatter input until the next one
-        for i in reversed(range(a.n_layers)):
+        for i in reversed(range(len(self.layers))):
             where = f"backward: block {i}"
+            kind = self.layers[i]
+            size, copies = self.sizes[kind.name], self.autocast_copies(kind)[0]
             if w.sharded:  # the prefetched all-gather is copied out; the next block is prefetched
-                live.add(WEIGHT_COPIES, self.gather * self.block_padded, where)
+                live.add(WEIGHT_COPIES, gathered(i), where)
                 live.free(TEMPORARIES, prefetch)
-                if i > 0:
-                    self._prefetch(prefetch, where)
+                prefetch = gathered(i - 1) if i > 0 else 0
+                self._prefetch(prefetch, where)
             if w.activation_checkpointing:  # recompute the block's forward
-                live.add(ACTIVATIONS, self.block_saved(), where + " (recompute)")
-                live.add(WEIGHT_COPIES, per_block_copies, where + " (recompute)")
+                live.add(ACTIVATIONS, self.block_saved(kind), where + " (recompute)")
+                live.add(WEIGHT_COPIES, copies + size.expert_cast, where + " (recompute)")
             # Inside the block: SwiGLU's backward holds the gradients of w2's input and of both its
-            # factors (3 x B T F) while w2's input is already freed, beside the residual gradients.
-            live.spike(TEMPORARIES, 2 * self.act * self.bt * f + 2 * self.residual * self.bt * d, where)
-            self._weight_grad(self.block_trained, where)
-            saved = self.block_saved() + (self.block_input() if w.activation_checkpointing else 0)
+            # factors (3 x B T F) while w2's input is already freed, beside the residual gradients; an
+            # MoE layer's the same over its routed rows (blocks.py).
+            ffn = moe_backward_temporaries(a, self.bt, self.act) if kind.moe else 2 * self.act * self.bt * f
+            live.spike(TEMPORARIES, ffn + 2 * self.residual * self.bt * d, where)
+            self._weight_grad(size.trained, where)
+            if size.experts:  # the experts held apart: float32 gradients of their own, from a bf16 one
+                if micro == 0:
+                    live.add(GRADIENTS, FP32 * size.experts, where)
+                live.spike(TEMPORARIES, size.expert_cast, where)
+            saved = self.block_saved(kind) + (self.block_input() if w.activation_checkpointing else 0)
             live.free(ACTIVATIONS, saved)
-            live.free(WEIGHT_COPIES, per_block_copies)
+            live.free(WEIGHT_COPIES, copies + size.expert_cast)
             if w.sharded:
-                live.free(WEIGHT_COPIES, self.gather * self.block_padded)  # reshard
+                live.free(WEIGHT_COPIES, gathered(i))  # reshard
                 rs_input = self._reduce_scatter(
-                    self.block_trained, self.block_trained_padded, fsdp_grad, rs_input, last, where + " reduce-scatter"
+                    size.trained, size.trained_padded, fsdp_grad, rs_input, last, where + " reduce-scatter"
                 )
 
         live.free(ACTIVATIONS, self.rope_saved())  # the last block that kept them is done
@@ -436,6 +521,11 @@ class _StepWalk:
                 "backward: reduce-scatter of the root group",
             )
             live.free(TEMPORARIES, rs_input)
+        if last and self.experts and w.world_size > w.ep and self.gloo_copies:
+            # ExpertGradients (parallel/expert_parallel.py) sums the experts' gradients over the ranks
+            # that hold the same experts, one stacked tensor at a time in place: gloo copies each.
+            largest = w.args.n_experts // w.ep * w.args.moe_ffn_dim * w.args.dim
+            live.spike(TEMPORARIES, FP32 * largest, "backward: all-reduce of the experts' gradients")
 
     def _prefetch(self, nbytes: float, moment: str) -> None:
         """FSDP's backward prefetch: the next block's all-gather output waits for its copy-out."""

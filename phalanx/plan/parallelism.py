@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from phalanx.errors import PhalanxError
 from phalanx.models.decoder import ModelArgs
+from phalanx.plan.blocks import block_kinds
 from phalanx.plan.memory import BF16, FP32, param_shapes
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
@@ -34,9 +35,12 @@ class Parallelism:
     # Micro-batches per optimizer step on each data-parallel replica: the pipeline's, or (pp=1) gradient
     # accumulation's.
     microbatches: int = 1
+    # Expert parallelism: ranks of dp_shard that split a mixture of experts' experts (not a mesh
+    # dimension of its own: parallel/mesh.py).
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "microbatches"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "microbatches", "ep"):
             if getattr(self, name) < 1:
                 raise PhalanxError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
@@ -73,6 +77,7 @@ class Parallelism:
             ("dp_shard", self.dp_shard),
             ("cp", self.cp),
             ("tp", self.tp),
+            ("ep", self.ep),
         ]
         text = " x ".join(f"{name}={size}" for name, size in parts if size > 1) or "one rank"
         if self.pp > 1:
@@ -87,7 +92,16 @@ class Parallelism:
             raise PhalanxError(
                 f"the layout {self.describe()} has {self.world_size} ranks, not the {world_size} of --gpus"
             )
-        check_tp(args, self.tp)
+        if self.tp > 1:  # (check_tp refuses latent attention at any degree)
+            check_tp(args, self.tp)
+        if self.ep > 1 and (self.dp_shard % self.ep or args.n_experts % self.ep):
+            raise PhalanxError(
+                f"--ep {self.ep} must divide dp_shard ({self.dp_shard}) and the model's {args.n_experts} experts"
+            )
+        if args.n_experts and self.cp > 1:  # as the trainer (train/resume.py: check_moe)
+            raise PhalanxError(
+                f"a mixture of experts ({args.n_experts} experts) does not run with context parallelism yet"
+            )
         chunks = self.pp * self.virtual_stages
         if chunks > args.n_layers:
             raise PhalanxError(f"--pp {self.pp} makes {chunks} pipeline stages for {args.n_layers} layers")
@@ -129,6 +143,7 @@ class Parallelism:
         inner = {
             "tp": self.tp,
             "cp": self.cp * self.tp,
+            "ep": self.ep * self.cp * self.tp,  # ep ranks are the innermost of dp_shard
             "dp_shard": self.dp_shard * self.cp * self.tp,
             "dp_replicate": self.dp * self.cp * self.tp,
             "pp": self.world_size,
@@ -136,13 +151,32 @@ class Parallelism:
         return inner <= GPUS_PER_NODE
 
 
-def stage_param_numel(args: ModelArgs, par: Parallelism) -> int:
+def stage_param_numel(args: ModelArgs, par: Parallelism, experts: bool = False) -> int:
     """Parameters one TP rank of the busiest stage holds before FSDP shards them (embedding and head
-    counted on it: the planner takes the heavier of the first and last stage as both)."""
-    shapes = param_shapes(args, par.tp)
-    block = sum(math.prod(s) for s in shapes["block"])
-    root = sum(math.prod(s) for s in shapes["root"])
-    return root + par.stage_layers(args) * block
+    counted on it: the planner takes the heavier of the first and last stage as both); its blocks are
+    the model's last (a mixture of experts' MoE blocks, not its dense first ones). experts=False: FSDP's
+    share, which leaves out the experts that expert parallelism holds; True: those experts alone (each
+    rank's 1/ep of them)."""
+    root = sum(math.prod(s) for s in param_shapes(args, par.tp)["root"])
+    stage = block_kinds(args, par.tp)[-par.stage_layers(args) :]
+    if experts:
+        return sum(math.prod(s) for k in stage for s in k.experts) // par.ep if par.ep > 1 else 0
+    own = sum(math.prod(s) for k in stage for s in k.shapes + (k.experts if par.ep == 1 else []))
+    return root + own
+
+
+def moe_layers_on_stage(args: ModelArgs, par: Parallelism) -> int:
+    return sum(k.moe for k in block_kinds(args, par.tp)[-par.stage_layers(args) :])
+
+
+def unsplit_flops_per_token(args: ModelArgs) -> float:
+    """Training FLOPs per token (6 x parameters, as flops.py counts them) of the MoE layers, which TP
+    does not split: their router, k routed experts and shared experts, active for each token."""
+    if not args.n_experts:
+        return 0.0
+    experts = args.n_experts_per_token + args.n_shared_experts
+    per_layer = args.dim * args.n_experts + experts * 3 * args.dim * args.moe_ffn_dim
+    return 6.0 * per_layer * sum(args.is_moe_layer(i) for i in range(args.n_layers))
 
 
 def communication(args: ModelArgs, par: Parallelism, micro_batch: int, seq_len: int, dtype: str) -> dict[str, float]:
@@ -173,6 +207,16 @@ def communication(args: ModelArgs, par: Parallelism, micro_batch: int, seq_len: 
         # Each micro-batch's activations go to the next stage, their gradients come back; under
         # sequence parallelism each TP rank sends its 1/tp of the tokens.
         out["pp send/recv"] = 2 * m * par.virtual_stages * tokens * args.dim * act / par.tp
+    moe_layers = moe_layers_on_stage(args, par)
+    if par.ep > 1 and moe_layers:
+        # Each MoE layer sends its routed rows (k per token, whole sequences under TP) to the ranks
+        # holding their experts and brings the results back, forward and backward: 4 all-to-alls, of
+        # which (ep-1)/ep leaves the rank on average (routing evenly spread).
+        rows = micro_batch * seq_len * args.n_experts_per_token * args.dim * act
+        out["ep all-to-all"] = m * moe_layers * 4 * rows * ring(par.ep)
+        if par.dp > par.ep:  # ExpertGradients: the experts' float32 gradients summed over their replicas
+            experts = stage_param_numel(args, par, experts=True)
+            out["expert all-reduce"] = 2 * experts * FP32 * ring(par.dp // par.ep)
     if par.cp > 1:
         # Ring attention: each rank's K and V chunk passes round the other cp-1 ranks in forward; backward
         # passes K, V and their gradients: three passes' worth in all.
@@ -194,13 +238,18 @@ def step_time(
     intra_gbps: float,
     inter_gbps: float,
     recompute: bool,
+    unsplit_flops_per_token: float = 0.0,
 ) -> dict[str, float]:
     """Seconds per optimizer step on the busiest rank: compute at `mfu` of peak stretched by the bubble
-    (and by activation checkpointing's recomputed forward), plus exposed communication."""
+    (and by activation checkpointing's recomputed forward), plus exposed communication.
+    unsplit_flops_per_token: the part of flops_per_token that TP does not split (a mixture of experts'
+    layers: every TP rank runs them on the whole sequence), so each TP rank computes it in full."""
     m = par.microbatches
     tokens_per_replica = m * micro_batch * seq_len
-    flops = tokens_per_replica * flops_per_token * (4 / 3 if recompute else 1)  # AC: 8N instead of 6N
-    compute = flops / (par.pp * par.tp * par.cp) / (mfu * peak_tflops * 1e12)
+    ac = 4 / 3 if recompute else 1  # AC: 8N instead of 6N
+    split = (flops_per_token - unsplit_flops_per_token) / par.tp + unsplit_flops_per_token
+    flops = tokens_per_replica * split * ac
+    compute = flops / (par.pp * par.cp) / (mfu * peak_tflops * 1e12)
     bubble = par.bubble_fraction()
     busy = compute / (1 - bubble)
 
@@ -208,11 +257,14 @@ def step_time(
         bw = intra_gbps if par.intra_node(dim) else inter_gbps
         return comm.get(kind, 0.0) / (bw * 1e9)
 
-    exposed = seconds("tp activations", "tp") + seconds("pp send/recv", "pp")
+    # The experts' all-to-alls sit between routing and the experts, and the experts and the next layer:
+    # exposed, as TP's are (no overlap of dispatch with compute is built).
+    exposed = seconds("tp activations", "tp") + seconds("pp send/recv", "pp") + seconds("ep all-to-all", "ep")
     overlapped = (
         seconds("fsdp all-gather", "dp_shard")
         + seconds("fsdp reduce-scatter", "dp_shard")
         + seconds("dp all-reduce", "dp_replicate")
+        + seconds("expert all-reduce", "dp_shard")
         + seconds("cp K/V ring", "cp")
     )
     total = busy + exposed + max(0.0, overlapped - compute)

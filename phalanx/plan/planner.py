@@ -93,11 +93,8 @@ def resolve_job(
         )
     else:
         job = _job_from_config(source, gpus, strategy, micro_batch, seq_len, activation_checkpointing, overrides)
-    if job.args.n_experts:  # its memory model counts dense feed-forwards: it would plan another model
-        raise PhalanxError(
-            f"phalanx plan does not model mixtures of experts yet ({job.args.n_experts} experts: their "
-            "memory, all-to-all and expert-parallel layouts); it plans dense models"
-        )
+    if job.args.n_experts and job.lora_rank:  # as the trainer (train/resume.py: check_moe)
+        raise PhalanxError(f"a mixture of experts ({job.args.n_experts} experts) does not train with LoRA yet")
     if job.strategy == "none" and gpus > 1:
         raise PhalanxError(f"strategy none runs one process; use --strategy ddp or fsdp for --gpus {gpus}")
     if job.seq_len > job.args.max_seq_len:
@@ -166,10 +163,17 @@ def _config_layout(parallel, gpus: int) -> dict[str, int] | None:
     """The degrees the trainer would use (parallel/mesh.py resolves them the same way)."""
     from phalanx.parallel.mesh import resolve_layout
 
-    if parallel.tp == parallel.pp == parallel.cp == 1 and parallel.dp_shard is None and parallel.dp_replicate is None:
+    plain = parallel.tp == parallel.pp == parallel.cp == parallel.ep == 1
+    if plain and parallel.dp_shard is None and parallel.dp_replicate is None:
         return None
     layout = resolve_layout(parallel, gpus)
-    return {"tp": layout.tp, "pp": layout.pp, "dp_shard": layout.dp_shard, "dp_replicate": layout.dp_replicate}
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp_shard": layout.dp_shard,
+        "dp_replicate": layout.dp_replicate,
+        "ep": layout.ep,
+    }
 
 
 def plan(job: Job, device: Device, *, mfu: float = DEFAULT_MFU, headroom: float = DEFAULT_HEADROOM) -> dict[str, Any]:

@@ -29,10 +29,18 @@ from phalanx.plan.parallelism import (
     Parallelism,
     communication,
     step_time,
+    unsplit_flops_per_token,
 )
 from phalanx.plan.planner import GIB, Job, _check_fractions, usable_bytes
 
 TIE = 0.02  # projected tokens/s this close count as equal: the simpler layout wins
+# Fake tensors hold no values, and an MoE layer's shapes depend on its routing: torch.bincount of the
+# chosen experts has a data-dependent size (FakeTensorMode raises DynamicOutputShapeException), and so
+# do the grouped GEMMs' offsets and, under expert parallelism, the all-to-all's split sizes (.tolist()).
+MOE_NOT_TRACED = (
+    "not traced: a mixture of experts' shapes depend on its routing, which fake tensors cannot run "
+    "(torch.bincount's data-dependent size); hand model only"
+)
 MAX_TRACES = 3  # candidates traced before giving up on the hand model's ranking
 
 
@@ -44,7 +52,11 @@ def layout_workload(job: Job, device: Device, par: Parallelism, activation_check
         strategy, world = "ddp", par.dp_replicate
     else:
         strategy, world = "none", 1
-    args = dataclasses.replace(job.args, n_layers=par.stage_layers(job.args))
+    stage = par.stage_layers(job.args)
+    # The busiest stage holds the model's last layers: a mixture of experts' dense first layers sit on
+    # the first stage, so a later one is all MoE blocks.
+    dense = max(0, job.args.n_dense_layers - (job.args.n_layers - stage))
+    args = dataclasses.replace(job.args, n_layers=stage, n_dense_layers=dense)
     return job.workload(
         device,
         args=args,
@@ -55,6 +67,7 @@ def layout_workload(job: Job, device: Device, par: Parallelism, activation_check
         tp=par.tp,
         in_flight=par.in_flight(),
         activation_checkpointing=activation_checkpointing,
+        ep=par.ep,
     )
 
 
@@ -86,6 +99,7 @@ def evaluate(
         intra_gbps=device.intra_node_gbps,
         inter_gbps=device.inter_node_gbps,
         recompute=ac,
+        unsplit_flops_per_token=unsplit_flops_per_token(job.args),
     )
     return {
         "layout": dataclasses.asdict(par),
@@ -114,6 +128,8 @@ def trace(job: Job, device: Device, par: Parallelism, row: dict[str, Any]) -> di
 
     if par.dp_replicate > 1 and par.shard_degree == 1 and par.tp == 1:  # one stage of it is plain DDP
         return {**row, "traced": None, "trace_skipped": "DDP layouts are not traced (real C++ buckets)"}
+    if job.args.n_experts:
+        return {**row, "traced": None, "trace_skipped": MOE_NOT_TRACED}
     workload = layout_workload(job, device, par, row["activation_checkpointing"])
     traced = trace_step(
         workload.args,
@@ -166,15 +182,16 @@ def candidates(job: Job) -> list[Parallelism]:
         if tp > min(world, GPUS_PER_NODE) or world % tp:
             continue
         try:
-            check_tp(args, tp)
+            if tp > 1:  # (check_tp refuses latent attention at any degree)
+                check_tp(args, tp)
         except PhalanxError:
             continue
         pp = 1
         while pp <= args.n_layers and world % (tp * pp * job.cp) == 0:
             dp = world // (tp * pp * job.cp)
             m = microbatches(job, dp)
-            if m:
-                par = Parallelism(dp_shard=dp, tp=tp, pp=pp, cp=job.cp, schedule=job.pp_schedule, microbatches=m)
+            for ep in expert_degrees(args, dp) if m else ():
+                par = Parallelism(dp_shard=dp, tp=tp, pp=pp, cp=job.cp, schedule=job.pp_schedule, microbatches=m, ep=ep)
                 try:
                     par.check(args, job.seq_len, world)
                     out.append(par)
@@ -184,8 +201,24 @@ def candidates(job: Job) -> list[Parallelism]:
     return out
 
 
+def expert_degrees(args, dp_shard: int) -> list[int]:
+    """The ep degrees a proposal tries: 1, and for a mixture of experts every power of two dividing both
+    the shard ranks and the experts."""
+    degrees, ep = [1], 2
+    while args.n_experts and dp_shard % ep == 0 and args.n_experts % ep == 0:
+        degrees.append(ep)
+        ep *= 2
+    return degrees
+
+
 def given_layout(
-    job: Job, *, dp_replicate: int | None, dp_shard: int | None, tp: int | None, pp: int | None
+    job: Job,
+    *,
+    dp_replicate: int | None,
+    dp_shard: int | None,
+    tp: int | None,
+    pp: int | None,
+    ep: int | None = None,
 ) -> Parallelism:
     """The layout of the flags, the unnamed data-parallel degree taking the rest of the ranks."""
     tp, pp, cp, world = tp or 1, pp or 1, job.cp, job.world_size
@@ -208,7 +241,14 @@ def given_layout(
             f"{job.micro_batch} over {replicate * shard} data-parallel ranks"
         )
     par = Parallelism(
-        dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp, schedule=job.pp_schedule, microbatches=m
+        dp_replicate=replicate,
+        dp_shard=shard,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        schedule=job.pp_schedule,
+        microbatches=m,
+        ep=ep or 1,
     )
     par.check(job.args, job.seq_len, world)
     return par

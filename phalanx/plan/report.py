@@ -114,11 +114,13 @@ def print_layouts(r: dict[str, Any]) -> None:
     )
     table = Table(title=title, title_justify="left")
     with_cp = any(row["layout"]["cp"] > 1 for row in r["candidates"])  # a column only where it says something
+    with_ep = any(row["layout"].get("ep", 1) > 1 for row in r["candidates"])
     for column in (
         "pp",
         "dp",
         "tp",
         *(["cp"] if with_cp else []),
+        *(["ep"] if with_ep else []),
         "m",
         "AC",
         "GiB",
@@ -141,6 +143,7 @@ def print_layouts(r: dict[str, Any]) -> None:
             dp,
             str(lay["tp"]),
             *([str(lay["cp"])] if with_cp else []),
+            *([str(lay.get("ep", 1))] if with_ep else []),
             str(lay["microbatches"]),
             "on" if row["activation_checkpointing"] else "off",
             f"{row['peak_gib']:.0f}",
@@ -163,6 +166,15 @@ def print_layouts(r: dict[str, Any]) -> None:
     detail = Table(show_header=False, title=f"{chosen['describe']}, per rank", title_justify="left")
     memory = chosen["memory"]
     detail.add_row("peak (hand model)", f"{memory['peak_gib']:.2f} GiB at {memory['peak_at']}")
+    detail.add_row(
+        "live at that peak",
+        ", ".join(f"{c} {_gib(memory['at_peak'][c])}" for c in CATEGORIES if memory["at_peak"].get(c)) + " GiB",
+    )
+    detail.add_row(
+        "resident",
+        f"parameters {_gib(memory['parameters'])}, gradients {_gib(memory['gradients'])}, optimizer "
+        f"{_gib(memory['optimizer_states'])} GiB; activations saved {_gib(memory['activations'])} GiB a micro-batch",
+    )
     traced = chosen.get("traced")
     if traced:
         detail.add_row(

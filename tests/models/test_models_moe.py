@@ -185,6 +185,11 @@ def test_a_tiny_moe_under_ddp_and_fsdp_matches_one_process(tiny_args, layout):
         assert two[step] == pytest.approx(one[step], rel=1e-5), (step, one[step], two[step])
 
 
-def test_the_planner_refuses_a_mixture_of_experts_in_one_line():
-    proc = phalanx("plan", "mixtral-8x7b", "--gpu", "mi300x", "--gpus", "8", check=False)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: phalanx plan does not model mixtures of experts")
+def test_the_planner_plans_a_mixture_of_experts_and_refuses_what_the_trainer_refuses():
+    """phalanx plan models MoE blocks and expert parallelism (tests/plan/test_plan_moe.py); like the
+    trainer, it refuses context parallelism with experts, in one line."""
+    proc = phalanx("plan", "mixtral-8x7b", "--gpu", "mi300x", "--gpus", "8", "--no-trace", "--json")
+    chosen = json.loads(proc.stdout)["chosen"]
+    assert chosen["fits"] and chosen["memory"]["peak_bytes"] > 0 and chosen["tokens_per_sec"] > 0
+    proc = phalanx("plan", "mixtral-8x7b", "--gpu", "mi300x", "--gpus", "8", "--cp", "2", check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: a mixture of experts (8 experts) does not run")

@@ -25,7 +25,7 @@ def step_counters(args):
     return 4 * (2 + (not args.tie_embeddings) + len(param_shapes(args)["block"]) * args.n_layers)
 
 
-# The planner models dense models; it refuses mixtures of experts (tests/models/test_models_moe.py).
+# Dense models (param_shapes); mixtures of experts have block kinds of their own (tests/plan/test_plan_moe.py).
 @pytest.mark.parametrize("name", sorted(n for n, args in MODEL_PRESETS.items() if not args.n_experts))
 def test_param_shapes_are_the_models(name):
     args = MODEL_PRESETS[name]
