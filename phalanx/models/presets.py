@@ -181,8 +181,8 @@ MODEL_PRESETS: dict[str, ModelArgs] = {
     ),
     # DeepSeek-V3 (models/mla.py, models/moe.py). deepseek-v3-tiny: tiny's width with its attention and
     # routing: one dense layer, then 8 routed experts of 192 in 2 groups (a token's 2 from its best group)
-    # and one shared expert; a small balancing loss, as tiny-moe's, since the bias updates of DeepSeek's
-    # auxiliary-loss-free balancing are not applied by the trainer yet.
+    # and one shared expert; a small balancing loss, as tiny-moe's, beside the routing bias that the
+    # trainer moves (train.moe_bias_rate).
     "deepseek-v3-tiny": dataclasses.replace(
         _TINY,
         n_kv_heads=8,

@@ -87,9 +87,9 @@ def clip_gradients(params: list[torch.Tensor], max_norm: float, pp_group=None) -
     stage with the same summed gradient, counted once)."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is not None and counted_in_grad_norm(p):
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    norms = [_total_norm(grads) for grads in by_mesh.values()] or [torch.zeros(())]
+        by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    counted = [[p.grad for p in group if p.grad is not None and counted_in_grad_norm(p)] for group in by_mesh.values()]
+    norms = [_total_norm(grads) for grads in counted] or [torch.zeros(())]
     total = norms[0] if len(norms) == 1 else torch.stack(norms).pow(2).sum().sqrt()
     if pp_group is not None:  # stages hold disjoint parameters (but for the tied copy): squared norms add up
         import torch.distributed as dist
@@ -98,9 +98,6 @@ def clip_gradients(params: list[torch.Tensor], max_norm: float, pp_group=None) -
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
         total = total.sqrt()
     if max_norm > 0:
-        by_mesh = {}
-        for p in params:
-            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
