@@ -121,7 +121,10 @@ class MoE(nn.Module):
                 weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
         if self.routed_scaling_factor != 1:
             weights_NK = weights_NK * self.routed_scaling_factor
-        counts_E = torch.bincount(experts_NK.flatten(), minlength=self.n_experts)
+        # Counted into a fixed E slots (not torch.bincount, whose output size depends on the values):
+        # fake tensors and torch.compile can then follow the layer.
+        flat = experts_NK.flatten()
+        counts_E = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         self.routed = counts_E if self.routed is None else self.routed + counts_E
         self.aux_loss = None
         if self.training:
@@ -160,16 +163,20 @@ class MoE(nn.Module):
         # casts the rest of the model (parallel/expert_parallel.py).
         autocast = torch.is_autocast_enabled(x_PD.device.type)
         dtype = torch.get_autocast_dtype(x_PD.device.type) if autocast else x_PD.dtype
+        # Compiled, torch traces _grouped_mm in bfloat16 only (its meta kernel refuses other dtypes): the
+        # loop then stands in, reading its sizes before the weights, so that the break this makes in the
+        # compiled graph does not fall between an expert-parallel weight and its to_local().
+        traceable = dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+        sizes = None if hasattr(torch, "_grouped_mm") and traceable else counts_E.tolist()
         x_PD = x_PD.to(dtype)
         w1, w2, w3 = (_local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
-        if hasattr(torch, "_grouped_mm"):
+        if sizes is None:
             ends = torch.cumsum(counts_E, 0).to(torch.int32)
 
             def grouped(rows, weight):  # rows @ weight[e].T for each expert's rows
                 return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=ends)
 
         else:
-            sizes = counts_E.tolist()
 
             def grouped(rows, weight):
                 parts = rows.split(sizes)
@@ -181,7 +188,9 @@ class MoE(nn.Module):
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This process's experts of a stacked weight: under expert parallelism it is a DTensor sharded by
     expert, and the rows reaching this process are only for its own experts."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+    from torch.distributed.tensor import DTensor  # isinstance: torch.compile reads hasattr() of it wrong
+
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

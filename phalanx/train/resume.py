@@ -193,8 +193,8 @@ def check_lora(config: Config) -> None:
 
 def check_moe(config: Config, shape: ModelArgs) -> None:
     """A mixture of experts trains on one process, with DDP, or with FSDP (and expert parallelism over
-    its shard ranks), tensor and pipeline parallelism: context parallelism, LoRA and compile are refused in one line
-    until they are built and tested; and parallel.ep needs experts it can split evenly."""
+    its shard ranks), tensor and pipeline parallelism, compiled or not: context parallelism and LoRA are
+    refused in one line until they are built and tested; and parallel.ep needs experts it can split evenly."""
     p = config.parallel
     if p.ep > 1 and not shape.n_experts:
         raise PhalanxError(f"parallel.ep={p.ep} splits a mixture of experts' experts, and this model has none")
@@ -206,7 +206,6 @@ def check_moe(config: Config, shape: ModelArgs) -> None:
         what
         for what, used in (
             ("parallel.cp", p.cp > 1),
-            ("train.compile", config.train.compile),
             ("lora.rank", config.lora.rank > 0),
         )
         if used
@@ -214,7 +213,7 @@ def check_moe(config: Config, shape: ModelArgs) -> None:
     if not_yet:
         raise PhalanxError(
             f"a mixture of experts ({shape.n_experts} experts) does not run with {', '.join(not_yet)} yet; "
-            "it trains on one process, with parallel.strategy ddp, fsdp (and parallel.ep), tp or pp"
+            "it trains on one process, with parallel.strategy ddp, fsdp (and parallel.ep), tp or pp, compiled or not"
         )
 
 

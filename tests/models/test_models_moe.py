@@ -166,7 +166,7 @@ def test_a_tiny_moe_trains_and_what_it_cannot_run_yet_is_one_line(tiny_args):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and errors == [
         "error: a mixture of experts (8 experts) does not run with parallel.cp yet; it trains on one process, "
-        "with parallel.strategy ddp, fsdp (and parallel.ep), tp or pp"
+        "with parallel.strategy ddp, fsdp (and parallel.ep), tp or pp, compiled or not"
     ], proc.stderr
 
 

@@ -56,6 +56,17 @@ def test_expert_parallel_matches_one_process(moe_args, one_process, layout, rank
 
 
 @pytest.mark.slow
+def test_compiled_expert_parallel_matches_one_process(moe_args, one_process):
+    """Each block compiled, the all-to-all's split sizes break its graph; in float32 the experts' grouped
+    GEMM gives way to the loop (torch traces it in bfloat16 only: models/moe.py)."""
+    ep = ["parallel.strategy=fsdp", "parallel.ep=2", "train.max_steps=6", "--nproc", "2"]
+    compiled = losses_by_step(train_json(*named(moe_args, "-compiled"), "train.compile=true", *ep)["run_dir"])
+    assert one_process.keys() == compiled.keys()
+    for step in one_process:  # inductor's fused kernels sum in their own order: 1e-4, as for a dense model
+        assert compiled[step] == pytest.approx(one_process[step], rel=1e-4), (step, one_process, compiled)
+
+
+@pytest.mark.slow
 def test_deepseek_under_expert_parallelism_matches_one_process(moe_args):
     """Sigmoid routing over groups, a shared expert, a dense first layer and MLA, with the routing biases
     moved every step from every rank's counts: ep=2 keeps one process's losses."""
