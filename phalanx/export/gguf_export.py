@@ -1,7 +1,8 @@
 """GGUF export for llama.cpp and Ollama, written with the `gguf` package's GGUFWriter: Llama, Mistral and
 Mixtral as llama.cpp's `llama` architecture (Mixtral with expert_count and its experts), Qwen2 as `qwen2`
-(with attn_{q,k,v}.bias), Qwen3 as `qwen3` (with attn_{q,k}_norm), Qwen3-MoE as `qwen3moe`;
-check_llama_cpp_computes refuses what those architectures cannot run.
+(with attn_{q,k,v}.bias), Qwen3 as `qwen3` (with attn_{q,k}_norm), Qwen3-MoE as `qwen3moe`, DeepSeek-V3
+as `deepseek2` (its keys and tensors in gguf_deepseek.py); check_llama_cpp_computes refuses what those
+architectures cannot run.
 
 (Named gguf_export, not gguf, so it never shadows the `gguf` package.)
 
@@ -33,9 +34,11 @@ from tokenizers import Tokenizer
 from phalanx.data.tokenizer import special_tokens
 from phalanx.errors import PhalanxError
 from phalanx.export.export import QUANTISED
+from phalanx.export.gguf_deepseek import add_deepseek2_keys, check_deepseek2_computes, deepseek2_tensors
 from phalanx.export.tokenizer_files import ensure_special_tokens
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.rope import rope_frequency_divisors
+from phalanx.run.gguf_deepseek import DEEPSEEK_ARCH, DEEPSEEK_FAMILY
 from phalanx.run.gguf_format import (
     AUX_LOSS_KEY,
     FAMILY_ARCH,
@@ -77,8 +80,9 @@ def gguf_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def check_llama_cpp_computes(args: ModelArgs) -> None:
-    """Refuse, in one line, a model that llama.cpp would load as another model or not at all. Each limit
-    was measured with llama-cpp-python 0.3.36 on phalanx's own exports (tests/export/test_export_gguf_families.py):
+    """Refuse, in one line, a model that llama.cpp would load as another model or not at all (DeepSeek-V3:
+    gguf_deepseek.check_deepseek2_computes). Each limit was measured with llama-cpp-python 0.3.36 on
+    phalanx's own exports (tests/export/test_export_gguf_families.py):
     - llama.cpp applies no sliding window to the llama, qwen2 or qwen3 architecture: with
       `{arch}.attention.sliding_window` written it logs n_swa = 0, and its logits are those of full
       causal attention (off by ~0.2 from the windowed model's past the window). A window of at least
@@ -89,11 +93,9 @@ def check_llama_cpp_computes(args: ModelArgs) -> None:
     - qwen2 sizes attn_q as dim x dim, so its heads must be dim / n_heads wide.
     - Only llama reads rope_freqs (Llama 3.1 scaling); qwen2 and qwen3 fail on it.
     (q/k/v biases load on all three.)"""
-    if args.family not in FAMILY_ARCH:  # DeepSeek-V3: llama.cpp's deepseek2 graph is not mapped yet
-        raise PhalanxError(
-            f"GGUF export of family {args.family} (multi-head latent attention) is not built yet; "
-            "export --format hf instead"
-        )
+    if args.family == DEEPSEEK_FAMILY:  # its own architecture, deepseek2 (gguf_deepseek.py)
+        check_deepseek2_computes(args)
+        return
     arch = FAMILY_ARCH[args.family]
     refusal = None
     if args.n_experts and (args.n_dense_layers or not args.norm_topk_prob):
@@ -189,8 +191,9 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     specials = special_tokens(tokenizer)
     tokens, token_types, merges = _vocabulary(tokenizer, args.vocab_size)
 
+    deepseek = args.family == DEEPSEEK_FAMILY
     # also writes general.architecture, and prefixes the model's keys with it
-    writer = gguf.GGUFWriter(str(path), arch=FAMILY_ARCH[args.family])
+    writer = gguf.GGUFWriter(str(path), arch=DEEPSEEK_ARCH if deepseek else FAMILY_ARCH[args.family])
     writer.add_name(name)
     writer.add_string(FAMILY_KEY, args.family)
     if args.sliding_window is not None:  # never one llama.cpp would have to apply (checked above)
@@ -199,18 +202,12 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     writer.add_context_length(args.max_seq_len)
     writer.add_embedding_length(args.dim)
     writer.add_block_count(args.n_layers)
-    writer.add_feed_forward_length(args.ffn_dim)
     if args.n_experts:  # a mixture of experts (models/moe.py)
-        writer.add_expert_count(args.n_experts)
-        writer.add_expert_used_count(args.n_experts_per_token)
-        if FAMILY_ARCH[args.family] == "qwen3moe":  # llama's graph sizes its experts by feed_forward_length
-            writer.add_expert_feed_forward_length(args.moe_ffn_dim)
         writer.add_float32(AUX_LOSS_KEY, args.router_aux_loss_coef)
-    writer.add_head_count(args.n_heads)
-    writer.add_head_count_kv(args.n_kv_heads)
-    writer.add_key_length(args.head_size)  # llama.cpp's default, dim / n_heads, is wrong where head_dim is set
-    writer.add_value_length(args.head_size)
-    writer.add_rope_dimension_count(args.head_size)
+    if deepseek:  # multi-head latent attention and DeepSeek's routing
+        add_deepseek2_keys(writer, args)
+    else:
+        _add_attention_and_expert_keys(writer, args)
     writer.add_rope_freq_base(args.rope_theta)
     writer.add_layer_norm_rms_eps(args.norm_eps)
     writer.add_vocab_size(args.vocab_size)
@@ -230,7 +227,7 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     writer.add_add_eos_token(False)
     writer.add_chat_template(loaded.chat_template)  # phalanx's own, or the checkpoint's the model came from
 
-    for tensor_name, tensor in gguf_tensors(loaded.model):
+    for tensor_name, tensor in (deepseek2_tensors if deepseek else gguf_tensors)(loaded.model):
         array, raw_dtype = _numpy_in(tensor, dtype)
         writer.add_tensor(tensor_name, array, raw_dtype=raw_dtype)
     divisors = rope_frequency_divisors(args)
@@ -244,3 +241,18 @@ def write_gguf(loaded: LoadedModel, path: Path, name: str, dtype: str = "f32") -
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_attention_and_expert_keys(writer, args: ModelArgs) -> None:
+    """The llama, qwen2, qwen3 and qwen3moe architectures' sizes of the feed-forward, experts and heads."""
+    writer.add_feed_forward_length(args.ffn_dim)
+    if args.n_experts:
+        writer.add_expert_count(args.n_experts)
+        writer.add_expert_used_count(args.n_experts_per_token)
+        if FAMILY_ARCH[args.family] == "qwen3moe":  # llama's graph sizes its experts by feed_forward_length
+            writer.add_expert_feed_forward_length(args.moe_ffn_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.n_kv_heads)
+    writer.add_key_length(args.head_size)  # llama.cpp's default, dim / n_heads, is wrong where head_dim is set
+    writer.add_value_length(args.head_size)
+    writer.add_rope_dimension_count(args.head_size)

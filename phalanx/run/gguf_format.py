@@ -129,7 +129,8 @@ def gguf_file(path: Path) -> Path | None:
 
 
 def read_gguf(file: Path) -> tuple[Transformer, Tokenizer, str | None]:
-    """(model in float32 on the CPU, tokenizer, chat template or None) of a llama, qwen2 or qwen3 GGUF file."""
+    """(model in float32 on the CPU, tokenizer, chat template or None) of a llama, qwen2, qwen3, qwen3moe or
+    deepseek2 GGUF file."""
     import gguf
 
     try:
@@ -140,7 +141,12 @@ def read_gguf(file: Path) -> tuple[Transformer, Tokenizer, str | None]:
         ) from None
     fields = {name: field.contents() for name, field in reader.fields.items()}
     arch = fields.get("general.architecture")
-    archs = sorted(set(FAMILY_ARCH.values()))
+    if arch == "deepseek2":  # MLA and DeepSeek's routing: its own layout (imported here: it imports this module)
+        from phalanx.run.gguf_deepseek import read_deepseek2
+
+        model = read_deepseek2(file, fields, {t.name: t for t in reader.tensors})
+        return model, _tokenizer(file, fields, model.args.vocab_size), fields.get("tokenizer.chat_template")
+    archs = sorted({*FAMILY_ARCH.values(), "deepseek2"})
     if arch not in archs:
         raise PhalanxError(f"{file} holds architecture {arch!r}; phalanx reads {', '.join(archs)} GGUF files only")
     tensors = {t.name: t for t in reader.tensors}
