@@ -124,8 +124,11 @@ class MoE(nn.Module):
         # Counted into a fixed E slots (not torch.bincount, whose output size depends on the values):
         # fake tensors and torch.compile can then follow the layer.
         flat = experts_NK.flatten()
-        counts_E = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-        self.routed = counts_E if self.routed is None else self.routed + counts_E
+        counts_E = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        if not _recomputing():
+            self.routed = counts_E if self.routed is None else self.routed + counts_E
         self.aux_loss = None
         if self.training:
             share_E = counts_E.float() / x_ND.shape[0]  # per token: the shares sum to top_k
@@ -183,6 +186,12 @@ class MoE(nn.Module):
                 return torch.cat([part @ weight[e].T for e, part in enumerate(parts)])
 
         return grouped(F.silu(grouped(x_PD, w1)) * grouped(x_PD, w3), w2)
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside backward: activation checkpointing's recomputation, which routes
+    the same tokens again and must not count them twice. (Compiled, a block is traced in its forward.)"""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,20 @@ def test_the_load_balancing_loss_joins_backward_with_its_weight():
     assert (injected - router_grads(injected=0.0, added=0.0)).abs().max() > 1e-3  # the balance counts
 
 
+def test_activation_checkpointing_counts_each_routed_token_once():
+    """Checkpointed blocks route again in backward (the recomputation): the counts the balance and the
+    metrics read must not double."""
+    from phalanx.models.moe import moe_layers
+    from phalanx.parallel.apply import wrap_blocks
+
+    args = MODEL_PRESETS["tiny-moe"]
+    torch.manual_seed(0)
+    model = Transformer(args).train()
+    wrap_blocks(model, activation_checkpointing=True, compile=False)
+    model(torch.randint(0, args.vocab_size, (2, 16))).float().logsumexp(-1).mean().backward()
+    assert [int(layer.routed.sum()) for layer in moe_layers(model)] == [2 * 16 * args.n_experts_per_token] * 4
+
+
 def test_presets_count_all_and_active_parameters():
     mixtral = MODEL_PRESETS["mixtral-8x7b"]
     assert count_params(mixtral) == 46_702_792_704  # Mixtral 8x7B's published 46.7B
