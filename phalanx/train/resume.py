@@ -193,8 +193,9 @@ def check_lora(config: Config) -> None:
 
 def check_moe(config: Config, shape: ModelArgs) -> None:
     """A mixture of experts trains on one process, with DDP, or with FSDP (and expert parallelism over
-    its shard ranks), tensor and pipeline parallelism, compiled or not: context parallelism and LoRA are
-    refused in one line until they are built and tested; and parallel.ep needs experts it can split evenly."""
+    its shard ranks), tensor and pipeline parallelism, compiled or not, and takes LoRA on its attention:
+    context parallelism is refused in one line until it is built and tested, and so is what LoRA cannot
+    adapt yet; parallel.ep needs experts it can split evenly."""
     p = config.parallel
     if p.ep > 1 and not shape.n_experts:
         raise PhalanxError(f"parallel.ep={p.ep} splits a mixture of experts' experts, and this model has none")
@@ -202,19 +203,32 @@ def check_moe(config: Config, shape: ModelArgs) -> None:
         return
     if shape.n_experts % p.ep:
         raise PhalanxError(f"parallel.ep={p.ep} does not divide the model's {shape.n_experts} experts")
-    not_yet = [
-        what
-        for what, used in (
-            ("parallel.cp", p.cp > 1),
-            ("lora.rank", config.lora.rank > 0),
-        )
-        if used
-    ]
-    if not_yet:
+    if p.cp > 1:
         raise PhalanxError(
-            f"a mixture of experts ({shape.n_experts} experts) does not run with {', '.join(not_yet)} yet; "
+            f"a mixture of experts ({shape.n_experts} experts) does not run with parallel.cp yet; "
             "it trains on one process, with parallel.strategy ddp, fsdp (and parallel.ep), tp or pp, compiled or not"
         )
+    if config.lora.rank:
+        check_moe_lora(config, shape)
+
+
+def check_moe_lora(config: Config, shape: ModelArgs) -> None:
+    """LoRA adapts a mixture of experts' attention projections, the experts and the router frozen (as
+    most Mixtral fine-tunes do): the experts are stacked weights, not the linear layers LoRA wraps."""
+    refusal = None
+    if shape.attention == "mla":
+        refusal = "LoRA does not adapt multi-head latent attention (DeepSeek-V3) yet"
+    elif config.lora.targets != "attention":
+        refusal = (
+            f"LoRA on a mixture of experts adapts its attention only (lora.targets attention, not "
+            f"{config.lora.targets}): the experts are stacked weights, not linear layers"
+        )
+    elif config.parallel.ep > 1:
+        refusal = "LoRA on a mixture of experts does not run with parallel.ep yet; use FSDP or data parallelism"
+    elif config.lora.quantize_base:
+        refusal = "lora.quantize_base (QLoRA) does not quantize a mixture of experts' experts yet"
+    if refusal:
+        raise PhalanxError(refusal)
 
 
 def check_qlora(config: Config) -> None:

@@ -149,9 +149,10 @@ class Trainer:
             (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
         )
         self.expert_gradients = expert_gradients(self.model, self.layout)  # expert parallelism's share
-        self.expert_balance = expert_balance(
-            self.model, self.args, env.device, tc.moe_bias_rate
-        )  # a mixture of experts' routing
+        # A mixture of experts' routing. LoRA keeps the base as loaded, routing biases too: the adapters
+        # alone are its result (and its export).
+        bias_rate = 0.0 if config.lora.rank else tc.moe_bias_rate
+        self.expert_balance = expert_balance(self.model, self.args, env.device, bias_rate)
         self.optimizer = build_optimizer(self.model, tc)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 

@@ -207,3 +207,54 @@ def test_the_planner_plans_a_mixture_of_experts_and_refuses_what_the_trainer_ref
     assert chosen["fits"] and chosen["memory"]["peak_bytes"] > 0 and chosen["tokens_per_sec"] > 0
     proc = phalanx("plan", "mixtral-8x7b", "--gpu", "mi300x", "--gpus", "8", "--cp", "2", check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: a mixture of experts (8 experts) does not run")
+
+
+@pytest.mark.slow
+def test_lora_adapts_a_mixture_of_experts_attention_and_peft_puts_it_on_transformers(tiny_args, tmp_path):
+    """LoRA on a trained tiny-moe run: only the attention's adapters train (experts and router frozen),
+    and peft puts the exported adapters on transformers' Mixtral (the base's HF export) with the run's
+    logits. What LoRA cannot adapt yet is one line."""
+    peft = pytest.importorskip("peft")
+    from phalanx.run.model_loader import load_model
+
+    moe = [a for a in tiny_args if not a.startswith("model.")] + ["model.preset=tiny-moe", "model.max_seq_len=64"]
+    base = train_json(*moe, "run.name=moe-base", "train.max_steps=4")["run_dir"]
+    adapt = [
+        *moe,
+        "run.name=moe-lora",
+        f"model.pretrained={base}",
+        "lora.rank=4",
+        "lora.alpha=8",
+        "lora.targets=attention",
+    ]
+    lora = train_json(*adapt, "train.max_steps=6", "train.lr=3e-3")
+    assert lora["val_loss_final"] < lora["val_loss_start"]
+    phalanx("export", base, "--format", "hf", "--out", str(tmp_path / "hf"))
+    phalanx("export", lora["run_dir"], "--format", "peft", "--out", str(tmp_path / "peft"))
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    ours, before = load_model(lora["run_dir"]).model.eval(), load_model(base).model.eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, ours.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()(tokens).logits
+        torch.testing.assert_close(theirs, ours(tokens), rtol=0, atol=1e-5)
+        assert (ours(tokens) - before(tokens)).abs().max() > 1e-3  # the adapters trained
+    # The experts and the router as the base left them: the merged run differs in attention alone.
+    merged, original = ours.state_dict(), before.state_dict()
+    moved = {k for k in merged if not torch.equal(merged[k], original[k])}
+    assert moved and all(".attention." in k for k in moved), sorted(moved)
+    for extra, error in (
+        (
+            ["lora.targets=all"],
+            "error: LoRA on a mixture of experts adapts its attention only (lora.targets "
+            "attention, not all): the experts are stacked weights, not linear layers",
+        ),
+        (
+            ["parallel.strategy=fsdp", "parallel.ep=2", "--nproc", "2"],
+            "error: LoRA on a mixture of experts does not run with parallel.ep yet; use FSDP or data parallelism",
+        ),
+    ):
+        proc = phalanx("train", *adapt, *extra, check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and errors == [error], proc.stderr
