@@ -83,6 +83,9 @@ class MoE(nn.Module):
         # Set from outside under expert parallelism (parallel/expert_parallel.py): sends each row to the
         # rank holding its expert, computes there, and brings the result back.
         self.expert_parallel = None
+        # Set from outside under context parallelism (parallel/context_parallel.py): the load-balancing
+        # loss of the whole sequences, whose tokens the cp ranks share, rather than of this rank's slice.
+        self.sequence_balance = None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
@@ -131,10 +134,14 @@ class MoE(nn.Module):
             self.routed = counts_E if self.routed is None else self.routed + counts_E
         self.aux_loss = None
         if self.training:
-            share_E = counts_E.float() / x_ND.shape[0]  # per token: the shares sum to top_k
             if self.scoring == "sigmoid":  # sigmoid scores do not sum to 1 per token: normalise them
                 probs_NE = probs_NE / probs_NE.sum(dim=-1, keepdim=True)
-            self.aux_loss = self.n_experts * (share_E * probs_NE.mean(dim=0)).sum()
+            tokens, probs_sum_E = x_ND.shape[0], probs_NE.sum(dim=0)
+            counted_E = counts_E
+            if self.sequence_balance is not None:
+                counted_E, probs_sum_E, tokens = self.sequence_balance(counts_E, probs_sum_E, tokens)
+            share_E = counted_E.float() / tokens  # per token: the shares sum to top_k
+            self.aux_loss = self.n_experts * (share_E * probs_sum_E / tokens).sum()
         return weights_NK, experts_NK, counts_E
 
     @torch.no_grad()

@@ -181,6 +181,36 @@ class RingPass(TokenPass):
         return heads_last(self.split.attend(q_BHTE, k_BKTE, v_BKTE, attention.sliding_window))
 
 
+class SequenceBalance:
+    """MoE.sequence_balance under context parallelism: a mixture of experts' load-balancing loss over the
+    whole sequences of the micro-batch (tokens per expert and summed routing scores of every cp rank's
+    slice), as one process computes it, rather than over this rank's slice.
+
+    Each cp rank then holds the same loss and backpropagates it through its own tokens' scores, the
+    other ranks' taken as constants. Scaled by cp there: the gradients' mean over the cp ranks (this
+    module's docstring) then sums every token's share, which is one process's gradient."""
+
+    def __init__(self, group):
+        self.group, self.cp = group, dist.get_world_size(group)
+
+    def __call__(self, counts_E: torch.Tensor, probs_sum_E: torch.Tensor, tokens: int):
+        E = counts_E.numel()
+        mine = torch.cat((counts_E.float(), probs_sum_E.detach().float(), counts_E.new_tensor([tokens]).float()))
+        everyone = mine.clone()
+        dist.all_reduce(everyone, group=self.group)
+        scores_E = everyone[E : 2 * E] + self.cp * (probs_sum_E - probs_sum_E.detach())
+        return everyone[:E], scores_E, everyone[-1]
+
+
+def apply_sequence_balance(model, split) -> None:
+    """Give each MoE layer the cp group's whole-sequence balance (nothing without context parallelism)."""
+    from phalanx.models.moe import moe_layers
+
+    if isinstance(split, ContextParallel):
+        for moe in moe_layers(model):
+            moe.sequence_balance = SequenceBalance(split.group)
+
+
 class NoContextParallel:
     """cp = 1: every rank holds whole sequences."""
 

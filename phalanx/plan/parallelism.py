@@ -98,9 +98,10 @@ class Parallelism:
             raise PhalanxError(
                 f"--ep {self.ep} must divide dp_shard ({self.dp_shard}) and the model's {args.n_experts} experts"
             )
-        if args.n_experts and self.cp > 1:  # as the trainer (train/resume.py: check_moe)
+        if args.n_experts and self.cp > 1 and (self.ep > 1 or args.attention == "mla"):  # as train/resume.py
+            what = "--ep" if self.ep > 1 else "multi-head latent attention"
             raise PhalanxError(
-                f"a mixture of experts ({args.n_experts} experts) does not run with context parallelism yet"
+                f"a mixture of experts ({args.n_experts} experts) does not run with context parallelism and {what} yet"
             )
         chunks = self.pp * self.virtual_stages
         if chunks > args.n_layers:

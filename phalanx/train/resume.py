@@ -193,9 +193,10 @@ def check_lora(config: Config) -> None:
 
 def check_moe(config: Config, shape: ModelArgs) -> None:
     """A mixture of experts trains on one process, with DDP, or with FSDP (and expert parallelism over
-    its shard ranks), tensor and pipeline parallelism, compiled or not, and takes LoRA on its attention:
-    context parallelism is refused in one line until it is built and tested, and so is what LoRA cannot
-    adapt yet; parallel.ep needs experts it can split evenly."""
+    its shard ranks), tensor, pipeline and context parallelism, compiled or not, and takes LoRA on its
+    attention: context parallelism with expert parallelism or latent attention is refused in one line
+    until it is built and tested, and so is what LoRA cannot adapt yet; parallel.ep needs experts it can
+    split evenly."""
     p = config.parallel
     if p.ep > 1 and not shape.n_experts:
         raise PhalanxError(f"parallel.ep={p.ep} splits a mixture of experts' experts, and this model has none")
@@ -203,10 +204,11 @@ def check_moe(config: Config, shape: ModelArgs) -> None:
         return
     if shape.n_experts % p.ep:
         raise PhalanxError(f"parallel.ep={p.ep} does not divide the model's {shape.n_experts} experts")
-    if p.cp > 1:
+    if p.cp > 1 and (p.ep > 1 or shape.attention == "mla"):
+        what = "parallel.ep" if p.ep > 1 else "multi-head latent attention (DeepSeek-V3)"
         raise PhalanxError(
-            f"a mixture of experts ({shape.n_experts} experts) does not run with parallel.cp yet; "
-            "it trains on one process, with parallel.strategy ddp, fsdp (and parallel.ep), tp or pp, compiled or not"
+            f"a mixture of experts ({shape.n_experts} experts) does not run with parallel.cp and {what} yet; "
+            "context parallelism takes its experts whole on every cp rank"
         )
     if config.lora.rank:
         check_moe_lora(config, shape)

@@ -31,7 +31,7 @@ from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tfl
 from phalanx.models.from_config import model_args
 from phalanx.models.lora import quantize_base
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
-from phalanx.parallel.context_parallel import context_split
+from phalanx.parallel.context_parallel import apply_sequence_balance, context_split
 from phalanx.parallel.device import compute_dtype, device_name, peak_memory_gib
 from phalanx.parallel.distributed import (
     DistEnv,
@@ -153,6 +153,7 @@ class Trainer:
         # alone are its result (and its export).
         bias_rate = 0.0 if config.lora.rank else tc.moe_bias_rate
         self.expert_balance = expert_balance(self.model, self.args, env.device, bias_rate)
+        apply_sequence_balance(self.model, self.split)  # cp: the whole sequences' balancing loss
         self.optimizer = build_optimizer(self.model, tc)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 

@@ -176,11 +176,11 @@ def test_a_tiny_moe_trains_and_what_it_cannot_run_yet_is_one_line(tiny_args):
     # The serving engine decodes it (a prefill, then batched decode steps through the experts).
     text = phalanx("generate", summary["run_dir"], "ROMEO:", "--max-new-tokens", "12", "--seed", "0").stdout
     assert text.startswith("ROMEO:") and len(text) > len("ROMEO:")
-    proc = phalanx("train", *moe, "parallel.cp=2", "--nproc", "2", check=False)
+    proc = phalanx("train", *moe, "model.preset=deepseek-v3-tiny", "parallel.cp=2", "--nproc", "2", check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and errors == [
-        "error: a mixture of experts (8 experts) does not run with parallel.cp yet; it trains on one process, "
-        "with parallel.strategy ddp, fsdp (and parallel.ep), tp or pp, compiled or not"
+        "error: a mixture of experts (8 experts) does not run with parallel.cp and multi-head latent attention "
+        "(DeepSeek-V3) yet; context parallelism takes its experts whole on every cp rank"
     ], proc.stderr
 
 
@@ -205,8 +205,10 @@ def test_the_planner_plans_a_mixture_of_experts_and_refuses_what_the_trainer_ref
     proc = phalanx("plan", "mixtral-8x7b", "--gpu", "mi300x", "--gpus", "8", "--no-trace", "--json")
     chosen = json.loads(proc.stdout)["chosen"]
     assert chosen["fits"] and chosen["memory"]["peak_bytes"] > 0 and chosen["tokens_per_sec"] > 0
-    proc = phalanx("plan", "mixtral-8x7b", "--gpu", "mi300x", "--gpus", "8", "--cp", "2", check=False)
+    proc = phalanx("plan", "mixtral-8x7b", "--gpu", "mi300x", "--gpus", "8", "--cp", "2", "--ep", "2", check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: a mixture of experts (8 experts) does not run")
+    proc = phalanx("plan", "mixtral-8x7b", "--gpu", "mi300x", "--gpus", "8", "--cp", "2", "--no-trace", "--json")
+    assert json.loads(proc.stdout)["chosen"]["layout"]["cp"] == 2
 
 
 @pytest.mark.slow

@@ -47,8 +47,10 @@ def one_process(moe_args):
         # Two stages of 2 layers; the schedule cuts each rank's share into one process's 2-row micro-batches.
         (["parallel.pp=2", "parallel.pp_microbatches=4", "train.micro_batch_size=8"], "2"),
         (["parallel.strategy=fsdp", "parallel.ep=2", "parallel.pp=2", "train.micro_batch_size=4"], "4"),
+        # Each rank holds half of every sequence, all the experts; the balancing loss is the sequences'.
+        (["parallel.cp=2"], "2"),
     ],
-    ids=["ep2", "ep2-dp_shard4", "tp2", "ep2-tp2", "pp2", "ep2-pp2"],
+    ids=["ep2", "ep2-dp_shard4", "tp2", "ep2-tp2", "pp2", "ep2-pp2", "cp2"],
 )
 def test_expert_parallel_matches_one_process(moe_args, one_process, layout, ranks):
     run = train_json(*named(moe_args, f"-ep-{ranks}"), *layout, "train.max_steps=6", "--nproc", ranks)

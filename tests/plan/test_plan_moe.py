@@ -204,8 +204,9 @@ def test_candidates_try_expert_parallelism_and_keep_phalanx_refusals():
     deepseek = resolve_job("deepseek-v3-671b", 64)
     layouts = candidates(deepseek)
     assert layouts and all(p.tp == 1 for p in layouts)  # TP does not split latent attention
-    with pytest.raises(Exception, match="context parallelism"):
-        Parallelism(dp_shard=2, cp=2).check(qwen.args, 4096, 4)
+    Parallelism(dp_shard=2, cp=2).check(qwen.args, 4096, 4)  # experts whole on every cp rank
+    with pytest.raises(Exception, match="context parallelism and --ep"):
+        Parallelism(dp_shard=2, cp=2, ep=2).check(qwen.args, 4096, 4)
     with pytest.raises(Exception, match="--ep 3"):
         Parallelism(dp_shard=6, ep=3).check(qwen.args, 4096, 6)
 
