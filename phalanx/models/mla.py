@@ -74,6 +74,7 @@ class LatentAttention(nn.Module):
         q_nope_BHTC, q_rope_BHTR = q_BHTE.split([self.nope_dim, self.rope_dim], dim=-1)
 
         latent_BTL, k_rope_BTR = self.wkv_a(x_BTD).split([self.kv_rank, self.rope_dim], dim=-1)
+        k_rope_BTR = _shared_by_the_heads(k_rope_BTR)
         kv_BHTX = self.wkv_b(self.kv_norm(latent_BTL)).view(B, T, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope_BHTC, v_BHTF = kv_BHTX.split([self.nope_dim, self.v_dim], dim=-1)
         H = k_nope_BHTC.shape[1]
@@ -92,3 +93,14 @@ class LatentAttention(nn.Module):
         if not self.rope_interleave:
             return x_BNTR
         return torch.cat((x_BNTR[..., 0::2], x_BNTR[..., 1::2]), dim=-1)
+
+
+def _shared_by_the_heads(k_rope_BTR: torch.Tensor) -> torch.Tensor:
+    """The rotated key part every head shares. Under tensor parallelism (parallel/tensor_parallel.py) it is
+    a DTensor computed whole on every rank, whose gradient each rank sees only for its own heads: a local
+    tensor then, with that gradient marked partial so that the ranks' parts are summed."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(k_rope_BTR, DTensor):
+        return k_rope_BTR
+    return k_rope_BTR.to_local(grad_placements=[Partial()])

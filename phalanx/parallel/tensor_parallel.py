@@ -12,12 +12,20 @@ the dense FFN, and routes and computes it with whole experts (or, under expert p
 its ep peers of the same tp coordinate), then keeps its own slice of the result. Its weights are the same
 on every tp rank, and so are their gradients, since the slice's backward gathers the whole gradient back.
 Splitting the experts themselves (torchtitan's expert tensor parallelism) is not built.
+
+Multi-head latent attention (DeepSeek-V3, models/mla.py) splits by heads too: the up-projections from
+the latents (wq_b, or wq without a q bottleneck, and wkv_b) by output, wo by input. The down-projections
+to the latents and their norms (wq_a, q_norm, wkv_a, kv_norm) are computed whole on every rank, as
+DTensors replicated over tp (Replicated): each rank backpropagates only its own heads through them, so
+their gradients are partial sums that DTensor adds up over the ranks. The rotated key part, shared by
+every head, leaves wkv_a's output as a local tensor whose gradient is marked partial (mla.py) for the
+same reason.
 """
 
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -26,16 +34,22 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from phalanx.errors import PhalanxError
 from phalanx.models.moe import MoE
 
 
+class Replicated(ParallelStyle):
+    """A module every tensor-parallel rank computes whole, on DTensors: its parameters replicated over
+    tp, so that their partial gradients are summed over the ranks (see the module docstring)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh)  # no partition function: every parameter replicated
+
+
 def check_tp(args, tp: int) -> None:
-    """Each rank must hold whole heads and an equal share of the FFN and vocabulary; the plan splits
-    grouped-query attention's projections, which multi-head latent attention (DeepSeek-V3) has not."""
-    if args.attention == "mla":
-        raise PhalanxError("parallel.tp does not split multi-head latent attention (DeepSeek-V3) yet")
+    """Each rank must hold whole heads and an equal share of the FFN and vocabulary."""
     for what, n in (
         ("n_heads", args.n_heads),
         ("n_kv_heads", args.n_kv_heads),
@@ -65,14 +79,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
+            **(_latent_attention_plan(block.attention) if model.args.attention == "mla" else _attention_plan()),
         }
         if isinstance(block.feed_forward, MoE):
             plan["feed_forward"] = PrepareModuleInputOutput(
@@ -93,3 +102,34 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
+
+
+def _attention_plan() -> dict:
+    return {
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+    }
+
+
+def _latent_attention_plan(attention: nn.Module) -> dict:
+    """The input stays a DTensor (replicated) through the replicated down-projections and norms, into the
+    up-projections, which take it as it is and give local tensors of this rank's heads."""
+    plan = {
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=False,
+        ),
+        "attention.wkv_a": Replicated(),
+        "attention.kv_norm": Replicated(),
+        "attention.wkv_b": ColwiseParallel(),
+    }
+    if attention.q_low_rank:
+        plan |= {"attention.wq_a": Replicated(), "attention.q_norm": Replicated(), "attention.wq_b": ColwiseParallel()}
+    else:
+        plan["attention.wq"] = ColwiseParallel()
+    return plan

@@ -92,8 +92,10 @@ class Parallelism:
             raise PhalanxError(
                 f"the layout {self.describe()} has {self.world_size} ranks, not the {world_size} of --gpus"
             )
-        if self.tp > 1:  # (check_tp refuses latent attention at any degree)
+        if self.tp > 1:
             check_tp(args, self.tp)
+            if args.attention == "mla":  # the trainer splits its heads; the memory walk does not model it
+                raise PhalanxError("the planner does not model tensor parallelism of multi-head latent attention yet")
         if self.ep > 1 and (self.dp_shard % self.ep or args.n_experts % self.ep):
             raise PhalanxError(
                 f"--ep {self.ep} must divide dp_shard ({self.dp_shard}) and the model's {args.n_experts} experts"

@@ -184,8 +184,10 @@ def candidates(job: Job) -> list[Parallelism]:
         if tp > min(world, GPUS_PER_NODE) or world % tp:
             continue
         try:
-            if tp > 1:  # (check_tp refuses latent attention at any degree)
+            if tp > 1:
                 check_tp(args, tp)
+                if args.attention == "mla":  # not modelled (plan/parallelism.py: Parallelism.check)
+                    continue
         except PhalanxError:
             continue
         pp = 1

@@ -69,13 +69,16 @@ def test_compiled_expert_parallel_matches_one_process(moe_args, one_process):
 
 
 @pytest.mark.slow
-def test_deepseek_under_expert_parallelism_matches_one_process(moe_args):
+def test_deepseek_under_expert_and_tensor_parallelism_matches_one_process(moe_args):
     """Sigmoid routing over groups, a shared expert, a dense first layer and MLA, with the routing biases
-    moved every step from every rank's counts: ep=2 keeps one process's losses."""
+    moved every step from every rank's counts: ep=2 keeps one process's losses, and so does tp=2, which
+    splits the latent attention's heads (parallel/tensor_parallel.py)."""
     deepseek = [*moe_args, "model.preset=deepseek-v3-tiny", "train.max_steps=6"]
     one = losses_by_step(train_json(*named(deepseek, "-one"))["run_dir"])
     ep = ["parallel.strategy=fsdp", "parallel.ep=2", "--nproc", "2"]
     assert_close_losses(one, losses_by_step(train_json(*named(deepseek, "-ep"), *ep)["run_dir"]))
+    tp = ["parallel.tp=2", "--nproc", "2"]
+    assert_close_losses(one, losses_by_step(train_json(*named(deepseek, "-tp"), *tp)["run_dir"]))
 
 
 @pytest.mark.slow
@@ -113,16 +116,12 @@ def test_expert_parallel_resumes_exactly_and_its_checkpoint_resumes_on_one_proce
             "shard ranks (parallel.strategy fsdp, or parallel.dp_shard)",
         ),
         (
-            ["model.preset=deepseek-v3-tiny", "parallel.tp=2"],
-            "error: parallel.tp does not split multi-head latent attention (DeepSeek-V3) yet",
-        ),
-        (
             ["parallel.strategy=ddp", "parallel.ep=2"],
             "error: parallel.ep=2 does not divide dp_shard=1: expert parallelism splits the experts over FSDP's "
             "shard ranks (parallel.strategy fsdp, or parallel.dp_shard)",
         ),
     ],
-    ids=["dense", "uneven", "mla-tp", "ddp"],
+    ids=["dense", "uneven", "ddp"],
 )
 def test_what_expert_parallelism_cannot_run_is_one_line(moe_args, extra, error):
     proc = phalanx("train", *moe_args, *extra, "--nproc", "2", check=False)
