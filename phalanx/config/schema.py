@@ -386,6 +386,29 @@ class ObserveSection(Section):
     alert_device_memory_ratio: float = Field(0.98, gt=0, le=1)
 
 
+class EvalSection(Section):
+    """lm-evaluation-harness tasks scored on the run's checkpoints while it trains: rank 0 runs
+    `phalanx eval` on each chosen checkpoint in a low-priority process of its own (train/background_eval.py),
+    and the scores land in RUN_DIR/eval/, the run store, the dashboard and /metrics. Distinct from
+    train.eval_interval, the validation loss the ranks compute themselves."""
+
+    OFF_MEANS = {"tasks": []}
+
+    tasks: list[str] = Field(default_factory=list, description="task names; empty: off")
+    # Which checkpoints: those whose step is a multiple of this (so a multiple of checkpoint.interval),
+    # and the last one; null: every checkpoint saved.
+    interval: PositiveInt | None = None
+    limit: PositiveInt | None = None  # at most this many samples per task; null: all of them
+    batch_size: PositiveInt = 8  # prompts scored together
+    include_path: str | None = None  # a directory of local task files (*.yaml) besides lm-eval's own
+
+    @model_validator(mode="after")
+    def _check_tasks(self) -> EvalSection:
+        if any(not name.strip() or "," in name for name in self.tasks):
+            raise ValueError("eval.tasks: give each task name as its own list entry, e.g. [hellaswag, arc_easy]")
+        return self
+
+
 class Config(Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -396,6 +419,18 @@ class Config(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     safe: SafeSection = Field(default_factory=SafeSection)
     observe: ObserveSection = Field(default_factory=ObserveSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+
+    @model_validator(mode="after")
+    def _check_eval_interval(self) -> Config:
+        """Tasks are scored on saved checkpoints: an interval no save falls on would score none of them."""
+        every = self.eval.interval
+        if self.eval.tasks and every is not None and every % self.checkpoint.interval:
+            raise ValueError(
+                f"eval.interval={every} is not a multiple of checkpoint.interval={self.checkpoint.interval}: "
+                "tasks are scored on saved checkpoints"
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:

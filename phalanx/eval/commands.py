@@ -67,6 +67,12 @@ def register(app: typer.Typer) -> None:
         from phalanx.eval.report import print_tasks_table, print_text_table, save_report
 
         saved = save_report(report)
+        if saved is not None and text is None:  # task scores: the dashboard shows them from the store
+            from phalanx.eval.store_report import store_report
+
+            stored = store_report(Path(report["run_dir"]))
+            if stored:
+                say(stored)
         if json_out:
             print(json.dumps({**report, "saved": str(saved) if saved else None}))
         else:

@@ -34,6 +34,7 @@ from phalanx.run.records import read_metrics
 from phalanx.run.resolved import resolved
 from phalanx.run.retention import apply_retention
 from phalanx.safe.goodput import run_report
+from phalanx.train.background_eval import check_eval_settings
 from phalanx.train.checkpoint_space import free_now, low_space_warning
 from phalanx.train.resume import check_run
 
@@ -48,6 +49,7 @@ def check_job(config: Config, spec: LaunchSpec) -> None:
         check_batch_sizes(config.train.global_batch_size, config.train.micro_batch_size, layout.dp)
     config_overrides(config.safe.preflight_thresholds)  # unknown check names, even with the preflight off
     check_observe_settings(config)  # a store, /metrics or TensorBoard asked for that this install lacks
+    check_eval_settings(config)  # eval.tasks: the harness's extras, a local task folder that is there
     if config.train.dtype == "float8" and (config.parallel.device == "cpu" or not torch.cuda.is_available()):
         check_float8(torch.device("cpu"))  # refused here, in one line; the ranks check their GPUs' kind
 

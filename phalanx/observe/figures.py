@@ -108,6 +108,9 @@ NO_DEVICE_TELEMETRY = (
 MOE_CHARTS = ("moe_imbalance", "moe_heatmap")
 NOT_MOE = "not a mixture of experts: no step reported its experts' routing balance"
 
+# Benchmark scores (eval.tasks while training, or `phalanx eval --tasks` by hand) beside the loss.
+NO_EVAL_SCORES = "no benchmark scores stored: train with eval.tasks, or run `phalanx eval RUN_DIR --tasks ...`"
+
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 _BASE_LAYOUT: dict[str, Any] = {
@@ -189,6 +192,7 @@ def run_figures(data: dict[str, Any], options: ChartOptions = ChartOptions()) ->
     if axis.kind == "time":  # no line across the time the run was down
         series = break_at_restarts(series, data.get("events", []))
     figures = {"loss": loss_figure(series, axis, options, marks)}
+    figures["eval_scores"] = eval_scores_figure(data.get("eval_scores") or [], axis, series)
     for field, title, y_title, tick_format in LINE_CHARTS:
         empty_text = NEVER_REPORTED.get(field, "no data yet") if series["step"] else "no data yet"
         figures[field] = line_figure(
@@ -252,6 +256,8 @@ def hidden_charts(data: dict[str, Any]) -> dict[str, str]:
                 hidden[field] = reason
     if not routes_through_experts(data):
         hidden.update(dict.fromkeys(MOE_CHARTS, NOT_MOE))
+    if not data.get("eval_scores"):
+        hidden["eval_scores"] = NO_EVAL_SCORES
     telemetry = data.get("telemetry") or {"host": [], "devices": []}
     if not telemetry["host"] and not telemetry["devices"]:
         hidden.update({name: NO_TELEMETRY for name, *_ in SYSTEM_CHARTS})
@@ -302,6 +308,36 @@ def loss_figure(
     if options.log:
         figure["layout"]["yaxis"]["type"] = "log"
     add_marks(figure, marks or [])
+    return figure
+
+
+def eval_scores_figure(scores: list[dict[str, Any]], axis: XAxis, series: dict[str, list] | None = None) -> Figure:
+    """Each task's metric against the step of the checkpoint it scored, with the benchmark's standard
+    error as error bars; a step evaluated twice shows both points. On a step or token axis it spans the
+    loss chart's steps (0 to the last), so that the two line up, one above the other."""
+    lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in scores:
+        if row["value"] is not None:
+            lines.setdefault((row["task"], row["metric"]), []).append(row)
+    traces = []
+    for i, ((task, metric), rows) in enumerate(sorted(lines.items())):
+        trace = {
+            **_line(
+                axis.steps([r["step"] for r in rows], [r["time"] for r in rows]),
+                [r["value"] for r in rows],
+                _text(f"{task} {metric}"),
+            ),
+            "mode": "lines+markers",
+            "line": {"color": PALETTE[i % len(PALETTE)]},
+        }
+        if any(r["stderr"] is not None for r in rows):
+            trace["error_y"] = {"type": "data", "array": [r["stderr"] or 0 for r in rows], "visible": True}
+        traces.append(trace)
+    figure = _figure(traces, "Benchmark scores", "step", "score", empty=not traces)
+    axis.layout(figure)
+    steps = [s for s in (series or {}).get("step", []) if s is not None] + [r["step"] for r in scores]
+    if axis.kind != "time" and steps:
+        figure["layout"]["xaxis"]["range"] = axis.steps([0, max(steps)])
     return figure
 
 

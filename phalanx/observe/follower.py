@@ -30,6 +30,7 @@ from rich.markup import escape
 
 from phalanx.errors import StoreError
 from phalanx.extras import require
+from phalanx.observe.eval_reports import is_report, read_scores, report_names
 from phalanx.run.layout import EVENTS, METRICS, TELEMETRY, RunDir
 from phalanx.run.records import JsonlEventSink
 from phalanx.safe.goodput import account
@@ -73,6 +74,8 @@ class RunFollower:
         self.tensorboard = _tensorboard_writer(self.run_dir) if tensorboard else None
         self.last: dict[str, Any] = {}
         self.ranks: dict[int, dict[str, Any]] = {}
+        # The newest checkpoint's benchmark scores: {(task, metric): (step, time, value)}, for /metrics.
+        self.eval_scores: dict[tuple[str, str], tuple[int, float, float | None]] = {}
         self.counts: Counter[str] = Counter()
         self.launch_metrics: list[dict] = []
         self.launch_events: list[dict] = []
@@ -80,8 +83,8 @@ class RunFollower:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="phalanx-store-follower", daemon=True)
         self._goodput_at = 0.0
-        # metrics, rank records, events, telemetry samples
-        self._pending: tuple[list[dict], list[dict], list[dict], list[dict]] = ([], [], [], [])
+        # metrics, rank records, events, telemetry samples, benchmark scores
+        self._pending: tuple[list[dict], ...] = ([], [], [], [], [])
         self._warned: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -153,16 +156,19 @@ class RunFollower:
                 new[rel], offsets[rel] = _read_new_lines(self.run_dir / rel, self.offsets.get(rel, 0))
             except OSError as exc:  # a file system hiccup (NFS): try that file again next pass
                 self._warn(f"cannot read {rel}: {exc}")
-        metrics, rank_records, events, telemetry = _by_kind(new)
+        for rel in report_names(self.run_dir):  # each benchmark report once: it never changes once there
+            if rel not in offsets:
+                new[rel], offsets[rel] = read_scores(self.run_dir, rel), 1
+        metrics, rank_records, events, telemetry, scores = _by_kind(new)
         storing = self.store is not None or self.connect is not None
         with self._lock:
             self.offsets = offsets
-            self._update_state(metrics, rank_records, events)
+            self._update_state(metrics, rank_records, events, scores)
             if storing:
-                for pending, records in zip(self._pending, (metrics, rank_records, events, telemetry)):
+                for pending, records in zip(self._pending, (metrics, rank_records, events, telemetry, scores)):
                     pending.extend(records)
         if self.tensorboard is not None:
-            _write_tensorboard(self.tensorboard, metrics)
+            _write_tensorboard(self.tensorboard, metrics, scores)
         if not storing:
             return True
         if self.store is not None and self.connect is not None and self._file_replaced():
@@ -174,15 +180,15 @@ class RunFollower:
         if not any(self._pending):
             return True
         try:  # outside the lock: a slow database never holds up a /metrics scrape
-            metrics, rank_records, events, telemetry = self._pending
-            self.store.ingest(self.run_id, metrics, rank_records, events, offsets, telemetry)
+            metrics, rank_records, events, telemetry, scores = self._pending
+            self.store.ingest(self.run_id, metrics, rank_records, events, offsets, telemetry, scores)
         except StoreError as exc:
             if exc.transient:  # down or locked: keep the lines for the next pass
                 self._warn(f"{exc}; will retry")
                 return False
             # The database refuses these lines and always will: skip them (the plain files keep them).
             self._warn(f"{exc}; {sum(map(len, self._pending))} records not stored")
-        self._pending = ([], [], [], [])
+        self._pending = ([], [], [], [], [])
         return True
 
     # -- opening, and reopening a replaced store -----------------------------------------------------
@@ -200,7 +206,11 @@ class RunFollower:
             start = stored.get(rel, 0)
             if start < upto:
                 try:
-                    new[rel] = _read_lines_between(self.run_dir / rel, start, upto)
+                    new[rel] = (
+                        read_scores(self.run_dir, rel)
+                        if is_report(rel)
+                        else _read_lines_between(self.run_dir / rel, start, upto)
+                    )
                 except OSError as exc:
                     self._warn(f"cannot read {rel}: {exc}")
         with self._lock:
@@ -243,7 +253,13 @@ class RunFollower:
     def _files(self) -> list[str]:
         return [METRICS, EVENTS, TELEMETRY, *RunDir(self.run_dir).rank_timing_names()]
 
-    def _update_state(self, metrics: list[dict], rank_records: list[dict], events: list[dict]) -> None:
+    def _update_state(
+        self, metrics: list[dict], rank_records: list[dict], events: list[dict], scores: list[dict] = ()
+    ) -> None:
+        for row in scores:  # a later checkpoint's score replaces an earlier one's; of one step, the newer report's
+            key, seen = (row["task"], row["metric"]), self.eval_scores.get((row["task"], row["metric"]))
+            if seen is None or (row["step"], row["time"]) >= seen[:2]:
+                self.eval_scores[key] = (row["step"], row["time"], row["value"])
         for m in metrics:
             if "loss" in m:
                 self.last.update(
@@ -291,6 +307,7 @@ class RunFollower:
                 "last": dict(self.last),
                 "ranks": dict(self.ranks),
                 "counts": dict(self.counts),
+                "eval": {key: (step, value) for key, (step, _, value) in self.eval_scores.items()},
             }
 
     def _warn(self, message: str) -> None:
@@ -321,11 +338,12 @@ def _print_warning(message: str) -> None:
     Console(stderr=True, soft_wrap=True).print(f"[yellow]warning:[/] {escape(message)}")
 
 
-def _by_kind(new: dict[str, list[dict]]) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
-    """Records read per file as (metrics, per-rank timings, events, telemetry)."""
+def _by_kind(new: dict[str, list[dict]]) -> tuple[list[dict], ...]:
+    """Records read per file as (metrics, per-rank timings, events, telemetry, benchmark scores)."""
     new = dict(new)
     metrics, events, telemetry = new.pop(METRICS, []), new.pop(EVENTS, []), new.pop(TELEMETRY, [])
-    return metrics, [r for records in new.values() for r in records], events, telemetry
+    scores = [row for rel in [r for r in new if is_report(r)] for row in new.pop(rel)]
+    return metrics, [r for records in new.values() for r in records], events, telemetry, scores
 
 
 def _file_identity(store: RunStore) -> tuple[int, int] | None:
@@ -394,9 +412,12 @@ TENSORBOARD_TAGS = {
 }
 
 
-def _write_tensorboard(writer: Any, metrics: list[dict]) -> None:
+def _write_tensorboard(writer: Any, metrics: list[dict], scores: list[dict] = ()) -> None:
     for m in metrics:
         for key, tag in TENSORBOARD_TAGS.items():
             if m.get(key) is not None:
                 writer.add_scalar(tag, m[key], global_step=m["step"], walltime=m.get("time"))
+    for row in scores:
+        if row["value"] is not None:
+            writer.add_scalar(f"eval/{row['task']}/{row['metric']}", row["value"], global_step=row["step"])
     writer.flush()

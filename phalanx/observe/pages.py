@@ -28,7 +28,7 @@ MAX_TELEMETRY_POINTS = 300  # per node (and device) and reading: 7 charts of the
 def run_page_data(store: RunStore, run_id: int, by_time: bool = False) -> dict[str, Any]:
     """Everything the run page shows: the run, its curves (on a wall-time axis with each run of a
     restarted step as a point of its own), rank heatmap, a mixture of experts' layer-by-step balance,
-    events (each with the step the run was at), goodput and hardware telemetry."""
+    events (each with the step the run was at), goodput, hardware telemetry and benchmark scores."""
     events = store.events(run_id)
     warmup = warmup_steps(events)
     heatmap = store.rank_heatmap(run_id, MAX_HEATMAP_BINS, warmup_steps=warmup)
@@ -42,6 +42,7 @@ def run_page_data(store: RunStore, run_id: int, by_time: bool = False) -> dict[s
         "event_steps": event_steps(store, run_id, events),
         "goodput": store.goodput(run_id),
         "telemetry": store.telemetry(run_id, MAX_TELEMETRY_POINTS),
+        "eval_scores": store.eval_scores(run_id),
     }
 
 

@@ -104,6 +104,35 @@ class TrainingCollector(Collector):
         for layer, ratio in enumerate(last.get("moe_imbalance_by_layer") or []):  # the MoE layers, in order
             by_layer.add_metric([run, str(layer)], float(ratio))
         yield by_layer
+        yield from eval_gauges(
+            "phalanx_train",
+            ["run"],
+            [
+                ([run], {"task": task, "metric": metric, "step": step, "value": value})
+                for (task, metric), (step, value) in sorted(state.get("eval", {}).items())
+            ],
+        )
+
+
+def eval_gauges(prefix: str, labels: list[str], scores: list[tuple[list[str], dict[str, Any]]]) -> Iterator[Metric]:
+    """Benchmark scores (eval.tasks, `phalanx eval`) of the newest evaluated checkpoint, and its step: a
+    gauge per task and metric, as the dashboard charts them. The step is a value, not a label, so that
+    each score stays one series across checkpoints."""
+    score = GaugeMetricFamily(
+        f"{prefix}_eval_score",
+        "Benchmark score (lm-evaluation-harness) of the newest evaluated checkpoint",
+        labels=[*labels, "task", "metric"],
+    )
+    step = GaugeMetricFamily(
+        f"{prefix}_eval_step", "Step of the checkpoint the eval score is of", labels=[*labels, "task", "metric"]
+    )
+    for values, row in scores:
+        where = [*values, row["task"], row["metric"]]
+        step.add_metric(where, float(row["step"]))
+        if row["value"] is not None:
+            score.add_metric(where, float(row["value"]))
+    yield score
+    yield step
 
 
 # Per-run gauges the dashboard exposes for every run in the store: (name, help, key in the runs row).
@@ -156,6 +185,16 @@ class StoreCollector(Collector):
                 status.add_metric([run["name"], str(run["id"]), s], 1.0 if run["status"] == s else 0.0)
         yield restarts
         yield status
+        names = {run["id"]: run["name"] for run in runs}
+        yield from eval_gauges(
+            "phalanx_run",
+            ["run", "id"],
+            [
+                ([names[row["run_id"]], str(row["run_id"])], row)
+                for row in self._store.newest_eval_scores()
+                if row["run_id"] in names
+            ],
+        )
 
 
 # Host and device readings of the node agent's telemetry sampler: (name, help, key).

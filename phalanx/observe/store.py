@@ -26,6 +26,7 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError,
 from phalanx.errors import PhalanxError, StoreError
 from phalanx.extras import require
 from phalanx.observe import tables as t
+from phalanx.observe.eval_reports import is_report
 from phalanx.observe.redaction import redact as redact_secrets
 from phalanx.observe.redaction import redact_url
 from phalanx.run.throughput import LAUNCH, RunThroughput
@@ -242,12 +243,19 @@ class RunStore:
         events: list[dict],
         offsets: dict[str, int],
         telemetry: list[dict] = (),
+        eval_scores: list[dict] = (),
     ) -> None:
-        """One transaction: new step metrics, per-rank timings, events and hardware samples, and how far
-        each file was read."""
+        """One transaction: new step metrics, per-rank timings, events, hardware samples and benchmark
+        scores (eval_reports.py's rows), and how far each file was read (a report: that it was)."""
         now = time.time()
         with self._begin() as conn:
             _insert_telemetry(conn, run_id, telemetry, now)
+            if eval_scores:
+                conn.execute(t.eval_scores.insert(), [{"run_id": run_id, **row} for row in eval_scores])
+            # A report read before is marked already: rewriting every report's mark each second would cost
+            # a statement per report of the run (a report without scores is simply read again next launch).
+            reports = {row["report"] for row in eval_scores}
+            offsets = {p: n for p, n in offsets.items() if not is_report(p) or p in reports}
             if metrics:
                 conn.execute(t.steps.insert(), [_step_row(run_id, m) for m in metrics])
             if rank_records:
@@ -560,6 +568,41 @@ class RunStore:
             }
             for r in rows
         ]
+
+    def eval_scores(self, run_id: int) -> list[dict[str, Any]]:
+        """The run's benchmark scores, one dict per report, task and metric, by step (then report time)."""
+        c = t.eval_scores.c
+        columns = (c.step, c.time, c.report, c.task, c.metric, c.value, c.stderr, c.samples, c.limit)
+        with self._connect() as conn:
+            rows = conn.execute(sa.select(*columns).where(c.run_id == run_id).order_by(c.step, c.time, c.id)).mappings()
+            return [dict(r) for r in rows]
+
+    def newest_eval_scores(self) -> list[dict[str, Any]]:
+        """Every run's newest score per task and metric (of its latest evaluated step, the newer report
+        of a step evaluated twice): {run_id, step, task, metric, value, stderr}, for /metrics."""
+        c = t.eval_scores.c
+        newest = (
+            sa.select(c.run_id, sa.func.max(c.step).label("step"))
+            .group_by(c.run_id, c.task, c.metric)
+            .add_columns(c.task, c.metric)
+            .subquery()
+        )
+        query = (
+            sa.select(c.run_id, c.step, c.task, c.metric, c.value, c.stderr)
+            .join(
+                newest,
+                sa.and_(
+                    c.run_id == newest.c.run_id,
+                    c.step == newest.c.step,
+                    c.task == newest.c.task,
+                    c.metric == newest.c.metric,
+                ),
+            )
+            .order_by(c.run_id, c.task, c.metric, c.time, c.id)
+        )
+        with self._connect() as conn:
+            latest = {(r["run_id"], r["task"], r["metric"]): dict(r) for r in conn.execute(query).mappings()}
+        return list(latest.values())  # ordered by time: a step's newer report is the one kept
 
     def goodput(self, run_id: int) -> dict[str, Any] | None:
         with self._connect() as conn:

@@ -188,3 +188,22 @@ quarantine = Table(
     Column("since", Float, nullable=False),
     Column("run", String(200)),
 )
+
+# Benchmark scores of the run's checkpoints (RUN_DIR/eval/*.json, written by `phalanx eval --tasks`): one
+# row per report, task and metric; `report` names the file (eval/step_N-TIME.json) the row came from.
+eval_scores = Table(
+    "eval_scores",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("time", Float, nullable=False),
+    Column("report", String(300), nullable=False),
+    Column("task", String(200), nullable=False),
+    Column("metric", String(200), nullable=False),
+    Column("value", Float),
+    Column("stderr", Float),
+    Column("samples", Integer),
+    Column("limit", Integer),
+    Index("ix_eval_scores_run_step", "run_id", "step"),
+)

@@ -29,10 +29,13 @@ class CheckpointSaves:
         faults: FaultInjector,
         emit: Callable[..., None],
         log: Callable[[str], None],
+        saved: Callable[[int, Path], None] | None = None,
     ):
-        """emit(kind, **details): a run event (rank 0's); log(line): a console line above the progress."""
+        """emit(kind, **details): a run event (rank 0's); log(line): a console line above the progress;
+        saved(step, path): a checkpoint is complete on disk (eval.tasks scores it, train/background_eval.py)."""
         self.checkpointer, self.model, self.optimizer = checkpointer, model, optimizer
         self.heartbeat, self.faults, self.emit, self.log = heartbeat, faults, emit, log
+        self.on_saved = saved
         self.last_checkpoint: str | None = None  # the newest checkpoint written (or resumed from)
         self.final_save_failed: dict[str, Any] | None = None  # the job exits 8 on it (train_job)
 
@@ -73,6 +76,8 @@ class CheckpointSaves:
         if isinstance(outcome.result, Path):
             self.last_checkpoint = str(outcome.result)
             self.emit("checkpoint_saved", step=outcome.step, path=str(outcome.result), **times)
+            if self.on_saved is not None:
+                self.on_saved(outcome.step, outcome.result)
             return True
         self.emit("save_failed", step=outcome.step, error=outcome.result, retry=retry, **times)
         self.log(f"step {outcome.step}: checkpoint save failed ({outcome.result}); training goes on")

@@ -53,6 +53,7 @@ from phalanx.safe.numerics import NumericsGuard
 from phalanx.safe.preemption import PREEMPTION
 from phalanx.safe.stacks import register_stack_dump
 from phalanx.safe.stragglers import ComputeClock, StragglerDetector
+from phalanx.train.background_eval import BackgroundEval
 from phalanx.train.checkpoint import Checkpointer
 from phalanx.train.evaluate import Evaluator
 from phalanx.train.expert_balance import expert_balance
@@ -225,6 +226,16 @@ class Trainer:
         self.rank_sink = JsonlSink(run.rank_timings(env.rank))
         self.node = socket.gethostname()
         self.state: dict[str, Any] = {}
+        # eval.tasks: rank 0 scores chosen checkpoints in a background process once they are saved.
+        self.background_eval = BackgroundEval(
+            config.eval,
+            env.device.type,
+            env.device.index,
+            tc.halt_at_step or tc.max_steps,
+            env.is_main,
+            self._emit,
+            self._say,
+        )
         self.saves = CheckpointSaves(
             self.checkpointer,
             self.model,
@@ -233,6 +244,7 @@ class Trainer:
             self.faults,
             self._emit,
             lambda line: self.progress.log(line),
+            saved=self.background_eval.checkpoint_saved,
         )
         self.rolled_back_at: set[int] = set()
 
@@ -294,6 +306,7 @@ class Trainer:
                     self._check_stragglers(step)
                 self.sink.write(record)
                 self.progress.update(step, record["loss"], tps, self.state.get("val_loss"), last=step == end_step)
+                self.background_eval.step_done(step_seconds)  # before the save, which may start an evaluation
                 if step % self.config.checkpoint.interval == 0 or step == end_step:
                     self.saves.save(step, self._trainer_state(), final=step == end_step)
                 else:
@@ -302,6 +315,7 @@ class Trainer:
                     self._snapshot(step, step_seconds)
                 if self.state.get("stop_requested"):  # agreed in the step's all-reduce: all ranks stop here
                     self._stop_preempted(step)
+            self._finish_background_eval(step)
         self.snapshots.close()
         self.heartbeat.beat("done", step)
         self.sink.close()
@@ -371,6 +385,18 @@ class Trainer:
                 self._emit("sample_reply", step=step, prompt=prompt, reply=reply)
         return {"val_loss": val_loss, "eval_seconds": seconds}
 
+    def _finish_background_eval(self, step: int) -> None:
+        """eval.tasks: rank 0 waits for the last checkpoint's evaluation. The other ranks wait with it in
+        a small all-reduce every few seconds, each beating its heartbeat (eval) between, rather than
+        sitting silent in the closing barrier, where the watchdog would take them for hung."""
+        if not self.config.eval.tasks:
+            return
+        while True:
+            self.heartbeat.beat("eval", step)
+            busy = self.background_eval.wait() if self.env.is_main else False
+            if not all_reduce_sum(torch.tensor([float(busy)], device=self.env.device)).item():
+                return
+
     def _trainer_state(self) -> dict[str, Any]:
         """What a resume needs besides model, optimizer and RNG: a disk checkpoint's trainer.json and an
         in-memory snapshot hold this same dict (plus the step), so the two cannot drift apart."""
@@ -407,6 +433,7 @@ class Trainer:
         """SIGTERM: every rank has finished `step`; save it (unless its interval save already did), say
         how long that took, and stop with exit 143. The node agent kills the ranks after
         safe.preemption_grace_s, so a save slower than that is lost and the run resumes from an older one."""
+        self.background_eval.stop()  # the grace period is for the save; nor is the save below scored
         t0 = time.perf_counter()
         self.saves.publish(wait=True)  # an async save still being written
         if not self.saves.saved(step):

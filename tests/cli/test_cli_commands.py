@@ -15,7 +15,18 @@ def test_config_show_yaml_and_json(tmp_path):
     cfg.write_text("extends: demo\ntrain:\n  max_steps: 50\n")
     shown = yaml.safe_load(phalanx("config", "show", str(cfg), "train.lr=0.001").stdout)
     assert shown["train"]["max_steps"] == 50 and shown["train"]["lr"] == 0.001
-    assert set(shown) == {"run", "model", "data", "train", "lora", "parallel", "checkpoint", "safe", "observe"}
+    assert set(shown) == {
+        "run",
+        "model",
+        "data",
+        "train",
+        "lora",
+        "parallel",
+        "checkpoint",
+        "safe",
+        "observe",
+        "eval",
+    }
     as_json = json.loads(phalanx("config", "show", "train.max_steps=7", "--json").stdout)
     assert as_json["train"]["max_steps"] == 7 and as_json["run"]["name"] == "demo"
 

@@ -135,6 +135,7 @@ def test_run_api_holds_page_data_and_figures_of_every_chart(client, store):
     figures = body["figures"]
     assert set(figures) == {
         "loss",
+        "eval_scores",
         "moe_imbalance",
         "moe_heatmap",
         "lr",

@@ -17,7 +17,14 @@ import sqlalchemy as sa
 
 from phalanx.config.schema import ObserveSection
 from phalanx.observe.app import create_app, running
-from phalanx.observe.figures import COMPARE_CHARTS, MOE_CHARTS, NO_DEVICE_TELEMETRY, NO_TELEMETRY, NOT_MOE
+from phalanx.observe.figures import (
+    COMPARE_CHARTS,
+    MOE_CHARTS,
+    NO_DEVICE_TELEMETRY,
+    NO_EVAL_SCORES,
+    NO_TELEMETRY,
+    NOT_MOE,
+)
 from phalanx.observe.follower import RunFollower
 from phalanx.observe.store import RunStore
 from phalanx.run.records import JsonlEventSink
@@ -195,7 +202,9 @@ def test_on_cpu_mfu_is_left_out_and_the_tile_says_why(client, runs):
     assert body["notes"]["mfu"] == "unknown on CPU: no peak FLOP/s to compare with (set train.peak_tflops)"
     assert body["series"]["achieved_tflops"][-1] == pytest.approx(0.02)  # what the tile shows instead
     gpu = run_json(client, runs.gpu)
-    assert gpu["hidden"] == dict.fromkeys(MOE_CHARTS, NOT_MOE) and gpu["notes"]["mfu"] is None  # a dense model
+    # a dense model, never evaluated on tasks
+    assert gpu["hidden"] == {**dict.fromkeys(MOE_CHARTS, NOT_MOE), "eval_scores": NO_EVAL_SCORES}
+    assert gpu["notes"]["mfu"] is None
 
 
 def test_system_charts_show_every_node_and_device_from_the_stored_telemetry(client, runs):
@@ -477,7 +486,7 @@ def test_migration_0003_gives_old_runs_their_tokens_and_can_be_undone(store_url)
             conn.execute(sa.text("INSERT INTO steps (run_id, step, time, loss) VALUES (1, :s, :s, 2.0)"), {"s": step})
         conn.execute(sa.text("INSERT INTO steps (run_id, step, time, val_loss) VALUES (1, 3, 3.0, 2.5)"))
     store = RunStore(store_url)
-    assert store.schema_version() == "0005"
+    assert store.schema_version() == "0006"
     old, odd = sorted(store.list_runs(), key=lambda r: r["id"])
     assert old["tokens_seen"] == 3 * 256 and odd["tokens_seen"] is None
     assert old["tags"] == [] and old["note"] is None
@@ -490,7 +499,7 @@ def test_migration_0003_gives_old_runs_their_tokens_and_can_be_undone(store_url)
         assert "tags" not in columns and not sa.inspect(conn).has_table("host_telemetry")
         command.upgrade(config, "head")
     engine.dispose()
-    assert RunStore(store_url).schema_version() == "0005"
+    assert RunStore(store_url).schema_version() == "0006"
 
 
 def test_smoothing_keeps_gaps_and_stays_within_the_values():

@@ -167,7 +167,7 @@ def test_migration_0005_keeps_the_steps_a_store_holds_and_can_be_undone(store_ur
         for step in (1, 2):
             conn.execute(sa.text("INSERT INTO steps (run_id, step, time, loss) VALUES (1, :s, :s, 2.0)"), {"s": step})
     store = RunStore(store_url)
-    assert store.schema_version() == "0005"
+    assert store.schema_version() == "0006"
     assert store.series(1)["step"] == [1, 2] and store.series(1)["moe_imbalance"] == [None, None]
     assert store.moe_heatmap(1)["layers"] == []
     store.ingest(1, [moe_step(3, [1.5, 2.5])], [], [], {})  # and it goes on with a step that has them

@@ -20,7 +20,7 @@ def test_migrated_schema_matches_the_table_definitions(store_url):
     from alembic.migration import MigrationContext
 
     store = RunStore(store_url)
-    assert store.schema_version() == "0005"
+    assert store.schema_version() == "0006"
     with store.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), tables.metadata)
     assert diff == []
@@ -205,7 +205,7 @@ def test_a_store_at_an_older_schema_version_is_migrated_with_its_runs_kept(store
         )
     engine.dispose()
     store = RunStore(store_url)
-    assert store.schema_version() == "0005"
+    assert store.schema_version() == "0006"
     assert [r["name"] for r in store.list_runs()] == ["old"]
     assert store.quarantined() == []
 
@@ -215,7 +215,7 @@ def test_processes_opening_a_new_store_at_once_all_succeed(store_url):
 
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         versions = pool.map(_open_and_read_version, [store_url] * 4)
-    assert versions == ["0005"] * 4
+    assert versions == ["0006"] * 4
 
 
 def _open_and_read_version(url: str) -> str:

@@ -129,6 +129,48 @@
       ? `(newest ${MAX_EVENT_ROWS} of ${events.length})` : `(${events.length})`);
   }
 
+  // Benchmark scores: a table per evaluated checkpoint (newest first), one row per task and metric with
+  // the harness's standard error; a step evaluated twice has a table per report.
+  let shownScores = null;
+  function renderEvalScores(scores) {
+    const key = JSON.stringify(scores);
+    if (key === shownScores) return;
+    shownScores = key;
+    const reports = new Map();
+    for (const row of scores) {
+      if (!reports.has(row.report)) reports.set(row.report, []);
+      reports.get(row.report).push(row);
+    }
+    const blocks = [...reports.values()].reverse().map((rows) => {
+      const first = rows[0];
+      const table = document.createElement("table");
+      table.className = "grid eval-table";
+      table.dataset.step = first.step;
+      const caption = table.createCaption();
+      const limit = first.limit ? `, at most ${first.limit} samples a task` : "";
+      caption.textContent = `step ${first.step} · ${phalanx.localTime(first.time)}${limit}`;
+      const head = table.createTHead().insertRow();
+      for (const [label, cls] of [["task"], ["metric"], ["value", "num"], ["± stderr", "num"], ["samples", "num"]]) {
+        const th = document.createElement("th");
+        th.textContent = label;
+        if (cls) th.className = cls;
+        head.append(th);
+      }
+      const body = table.createTBody();
+      for (const row of rows) {
+        const tr = body.insertRow();
+        tr.append(phalanx.cell(row.task), phalanx.cell(row.metric),
+          phalanx.cell(row.value === null ? "–" : row.value.toFixed(4), "num"),
+          phalanx.cell(row.stderr === null ? "" : `± ${row.stderr.toFixed(4)}`, "num"),
+          phalanx.cell(row.samples, "num"));
+      }
+      return table;
+    });
+    document.getElementById("eval-tables").replaceChildren(...blocks);
+    document.getElementById("eval").hidden = !blocks.length;
+    text("eval-count", blocks.length ? `(${blocks.length} report${blocks.length > 1 ? "s" : ""})` : "");
+  }
+
   function renderNodes(nodes) {
     document.getElementById("nodes").replaceChildren(...(nodes || []).map((node) => {
       const li = document.createElement("li");
@@ -153,6 +195,7 @@
     phalanx.plotAll(data.figures, data.hidden);
     renderSystemNote(data.hidden);
     renderEvents(data.events, data.event_steps);
+    renderEvalScores(data.eval_scores || []);
     renderNodes(data.run.nodes);
     if (data.config_yaml !== shownConfig) {
       shownConfig = data.config_yaml;
