@@ -401,6 +401,9 @@ class EvalSection(Section):
     limit: PositiveInt | None = None  # at most this many samples per task; null: all of them
     batch_size: PositiveInt = 8  # prompts scored together
     include_path: str | None = None  # a directory of local task files (*.yaml) besides lm-eval's own
+    # An evaluation running longer is stopped (an eval_tasks_failed event): a hung harness must not hold
+    # the end of the run, which waits for the last checkpoint's.
+    timeout_s: float = Field(3600.0, gt=0)
 
     @model_validator(mode="after")
     def _check_tasks(self) -> EvalSection:

@@ -86,6 +86,7 @@ class Running:
         self.err: IO[bytes] = tempfile.TemporaryFile()
         self.started = time.monotonic()
         self.step_seconds: list[float] = []  # rank 0's steps while it ran
+        self.timed_out = False
         self.proc = subprocess.Popen(command, stdout=self.out, stderr=self.err, stdin=subprocess.DEVNULL, env=env)
 
     def output(self) -> tuple[str, str]:
@@ -144,6 +145,11 @@ class BackgroundEval:
         self.poll()
 
     def poll(self, blocked_seconds: float = 0.0) -> None:
+        running = self.running
+        if running is not None and running.proc.poll() is None:
+            if time.monotonic() - running.started > self.settings.timeout_s:  # hung, or far too slow
+                running.timed_out = True
+                _end(running.proc)
         if self.running is not None and self.running.proc.poll() is not None:
             self._report(self.running, blocked_seconds)
             self.running = None
@@ -161,10 +167,12 @@ class BackgroundEval:
         if self._blocked_since is None:
             self._blocked_since = time.monotonic()
         if self.running is not None:
+            left = self.running.started + self.settings.timeout_s - time.monotonic()
             try:
-                self.running.proc.wait(timeout=seconds)
+                self.running.proc.wait(timeout=max(0.0, min(seconds, left)))
             except subprocess.TimeoutExpired:
-                return True
+                if left > seconds:
+                    return True
         now = time.monotonic()
         self.poll(blocked_seconds=now - self._blocked_since)
         self._blocked_since = now
@@ -177,12 +185,7 @@ class BackgroundEval:
         if self.running is None:
             return
         running, self.running = self.running, None
-        running.proc.terminate()
-        try:
-            running.proc.wait(timeout=STOP_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            running.proc.kill()
-            running.proc.wait()
+        _end(running.proc)
         running.output()
         self.emit("eval_tasks_stopped", step=running.step, seconds=time.monotonic() - running.started)
 
@@ -233,6 +236,8 @@ class BackgroundEval:
         if not isinstance(report, dict):
             lines = [line for line in err.strip().splitlines() if line.strip()]
             why = lines[-1] if lines else f"exit code {code}"
+            if running.timed_out:
+                why = f"stopped after eval.timeout_s={self.settings.timeout_s:g} s"
             self.emit("eval_tasks_failed", step=running.step, seconds=seconds, exit_code=code, error=why[-500:])
             self.log(f"step {running.step}: eval.tasks failed ({why[-300:]}); training goes on")
             return
@@ -262,6 +267,16 @@ class BackgroundEval:
             inside, outside = statistics.median(during), statistics.median(self.recent)
             cost.update(step_seconds_during=inside, step_seconds_outside=outside, slowdown=inside / outside)
         return cost
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Stop an evaluation: SIGTERM, then SIGKILL after a grace period."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def launch(parent: int, args: list[str]) -> None:

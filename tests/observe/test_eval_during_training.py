@@ -278,3 +278,28 @@ def test_a_failing_evaluation_is_an_event_and_a_newer_checkpoint_replaces_a_wait
     assert [(e["step"], e["newer_step"]) for e in events(run_dir, "eval_tasks_skipped")] == [(8, 12)]
     assert "step 4: eval.tasks failed (error: unknown task 'no_such_task'" in proc.stderr
     assert not (run_dir / "eval").exists()
+
+
+@pytest.mark.slow  # a run of its own
+def test_an_evaluation_over_its_time_is_stopped_and_the_run_ends(corpus, tmp_path):
+    """eval.timeout_s: a harness that hangs (here: one that cannot even start in 1 s) is stopped, said in
+    an event and a console line, and the end of the run, which waits for the last checkpoint's, ends."""
+    tasks = write_mc_task(tmp_path, corpus)
+    proc = phalanx(
+        "train",
+        *TINY,
+        f"data.sources=[{corpus}]",
+        f"run.dir={tmp_path}",
+        "run.name=slow-eval",
+        "eval.tasks=[eval_mc]",
+        f"eval.include_path={tasks}",
+        "eval.interval=12",
+        "eval.timeout_s=1",
+        "observe.store=none",
+        "--json",
+    )
+    run_dir = tmp_path / "slow-eval"
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 12
+    failed = events(run_dir, "eval_tasks_failed")
+    assert [(e["step"], e["error"]) for e in failed] == [(12, "stopped after eval.timeout_s=1 s")]
+    assert "step 12: eval.tasks failed (stopped after eval.timeout_s=1 s)" in proc.stderr
