@@ -155,6 +155,11 @@ class DataSection(Section):
     val_fraction: float = Field(0.05, gt=0, lt=0.5)
     # The text of each record: a .jsonl(.gz/.zst) line's key, a Parquet or Hugging Face dataset's column.
     text_field: str = "text"
+    # Processes tokenising text on this node; None: one per core available. The shards are the same bytes
+    # for any number (data/dispatch.py).
+    workers: PositiveInt | None = None
+    # The most text a trained tokenizer reads (1 GiB): a larger corpus is sampled (data/tokenizer_sample.py).
+    tokenizer_sample_bytes: PositiveInt = 1 << 30
 
     @model_validator(mode="before")
     @classmethod

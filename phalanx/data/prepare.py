@@ -10,6 +10,13 @@ fine-tuning also its options and the chat template). A directory
 with a manifest is complete and is reused as is. It is built under a temporary name and renamed into place
 in one step, so a crash leaves no half-prepared directory, and when two processes prepare the same key at
 once the loser of the rename simply uses the winner's result.
+
+Text is tokenised in work units (data/units.py: files, byte ranges of big JSON Lines files, Parquet row
+groups), by worker processes or Ray tasks (data/dispatch.py), each into a part file kept in a staging
+directory `cache_root/.parts-<key>-<units>` (data/parts.py); the parts are then put together in corpus
+order (data/merge.py), so the shards are the same bytes for any number of workers. An interrupted
+preparation finds the finished parts there and tokenises only the rest; the staging directory goes once
+the prepared directory is in place (or when bad input stops preparation: fixing it changes the key).
 """
 
 from __future__ import annotations
@@ -21,16 +28,17 @@ import os
 import shutil
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from phalanx.data.chat_template import CHAT_TEMPLATE
-from phalanx.data.corpus import entry_of_files, iter_documents, iter_sourced_documents, sources_fingerprint
+from phalanx.data.corpus import entry_of_files, sources_fingerprint
+from phalanx.data.dispatch import available_cores, run_local, run_on_ray
+from phalanx.data.merge import ShardMerge
+from phalanx.data.parts import PartStore, TokenizerSpec, UnitJob
+from phalanx.data.prepare_progress import UnitProgress
 from phalanx.data.sft import (
     ExampleWriter,
     SftOptions,
@@ -40,9 +48,11 @@ from phalanx.data.sft import (
     template_for,
     tokenizer_texts,
 )
-from phalanx.data.shards import ShardWriter, VerifiedShard
+from phalanx.data.shards import VerifiedShard, dtype_for_vocab
 from phalanx.data.source_groups import save_source_groups
-from phalanx.data.tokenizer import companion_files, encode_documents, load_tokenizer, train_tokenizer
+from phalanx.data.tokenizer import companion_files, load_tokenizer, special_tokens, train_tokenizer
+from phalanx.data.tokenizer_sample import DEFAULT_SAMPLE_BYTES, capped, sample_documents
+from phalanx.data.units import UNIT_BYTES, cut_units
 from phalanx.errors import PhalanxError
 
 FORMAT_VERSION = 2  # 2: shards carry chunk checksums (data/shards.py)
@@ -51,6 +61,8 @@ MANIFEST = "manifest.json"
 # it; larger data is checked chunk by chunk as the loader first reads each chunk.
 VERIFY_ON_REUSE_BYTES = 1 << 30
 KINDS = ("text", "sft")
+# Less than this left to tokenise is done in this process: starting worker processes would cost more.
+POOL_MIN_BYTES = 8 << 20
 
 
 @dataclass
@@ -125,10 +137,21 @@ def prepare_data(
     text_field: str = "text",
     progress: bool = False,
     sft: SftOptions | None = None,
+    workers: int | None = None,
+    ray_address: str | None = None,
+    tokenizer_sample_bytes: int = DEFAULT_SAMPLE_BYTES,
 ) -> PreparedData:
-    """sft: prepare fine-tuning records (data/sft.py) as examples; None: plain text."""
+    """sft: prepare fine-tuning records (data/sft.py) as examples; None: plain text. workers: processes
+    tokenising text on this node (None: one per core available); ray_address: tokenise as Ray tasks on
+    that cluster instead. Neither changes a byte of the result, so neither is in the key.
+    tokenizer_sample_bytes: the most text a trained tokenizer reads (data/tokenizer_sample.py).
+    Fine-tuning records are prepared in this process alone: they are small beside pretraining text."""
     if not 0.0 <= val_fraction < 1.0:
         raise PhalanxError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    if workers is not None and workers < 1:
+        raise PhalanxError(f"data.workers must be at least 1, got {workers}")
+    if tokenizer_sample_bytes < 1:
+        raise PhalanxError(f"data.tokenizer_sample_bytes must be at least 1, got {tokenizer_sample_bytes}")
     base_dir, cache_root = Path(base_dir), Path(cache_root)
     owners = entry_of_files(sources, base_dir) if sft is None else None  # text: each file's data.sources entry
     resolved = sorted(owners) if sft is None else resolve_sft_sources(sources, base_dir)
@@ -138,7 +161,8 @@ def prepare_data(
         if not tokenizer_file.is_file():
             raise PhalanxError(f"tokenizer file {tokenizer_file} not found (data.tokenizer)")
     template = None if sft is None else template_for(tokenizer_file)
-    key = _cache_key(resolved, vocab_size, tokenizer_file, val_fraction, text_field, sft, template)
+    sample = tokenizer_sample_bytes if tokenizer_file is None else None
+    key = _cache_key(resolved, vocab_size, tokenizer_file, val_fraction, text_field, sft, template, sample)
     final = cache_root / key
     if (final / MANIFEST).is_file():
         data = PreparedData.load(final)
@@ -153,8 +177,15 @@ def prepare_data(
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = cache_root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    run = _Run(workers or available_cores(), ray_address, tokenizer_sample_bytes)
     try:
-        _build(tmp, resolved, sources, vocab_size, tokenizer_file, val_fraction, text_field, progress, sft, template)
+        if sft is None:
+            run.units = cut_units(resolved, UNIT_BYTES)
+            digest = hashlib.sha256(json.dumps([u.as_json() for u in run.units]).encode()).hexdigest()[:8]
+            run.staging = cache_root / f".parts-{key}-{digest}"
+        _build(
+            tmp, resolved, sources, vocab_size, tokenizer_file, val_fraction, text_field, progress, sft, template, run
+        )
         if owners is not None:
             save_source_groups(tmp, sources, [owners[s] for s in resolved])
         try:
@@ -163,27 +194,62 @@ def prepare_data(
             if not (final / MANIFEST).is_file():  # not a concurrent winner: something else is in the way
                 message = f"cannot create prepared data directory {final}; is a stale one in the way?"
                 raise PhalanxError(message) from None
+        if run.staging is not None:
+            shutil.rmtree(run.staging, ignore_errors=True)
         return PreparedData.load(final)
+    except Exception as e:
+        if (final / MANIFEST).is_file():  # a concurrent preparation of the same key won (and took the parts)
+            return PreparedData.load(final)
+        if isinstance(e, _BadInput) and run.staging is not None:  # fixing the input changes the key
+            shutil.rmtree(run.staging, ignore_errors=True)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
 
 
+class _BadInput(PhalanxError):
+    """Bad input met while tokenising: the parts made so far can never be used (fixing the input changes
+    the key), unlike those of a preparation stopped by anything else (Ctrl-C, a lost Ray cluster)."""
+
+
+@dataclass
+class _Run:
+    """How this preparation runs (none of it changes the result): workers, a Ray cluster, the tokenizer's
+    sample bound; for text, the units and their staging directory."""
+
+    workers: int
+    ray_address: str | None
+    sample_bytes: int
+    units: list = field(default_factory=list)
+    staging: Path | None = None
+
+
 def _build(
-    dir, resolved, sources, vocab_size, tokenizer_file, val_fraction, text_field, progress, sft=None, template=None
+    dir, resolved, sources, vocab_size, tokenizer_file, val_fraction, text_field, progress, sft, template, run
 ) -> None:
     """Write tokenizer.json, the shards and, last of all, manifest.json (its presence means complete)."""
     with _progress(progress) as bar:
 
-        def docs(label):  # a fresh pass over the corpus: one to train the tokenizer, one to encode
+        def docs(label):  # the tokenizer's training text: the corpus, or a bounded sample of it
             if sft is not None:  # the records as the template renders them
-                return _counting(tokenizer_texts(resolved, sft, template), bar, label, "records")
-            return _counting(iter_documents(resolved, text_field), bar, label)
+                texts = capped(tokenizer_texts(resolved, sft, template), run.sample_bytes)
+                return _counting(texts, bar, label, "records")
+            return _counting(sample_documents(resolved, text_field, run.sample_bytes), bar, label)
 
-        if tokenizer_file is None:
-            tok = train_tokenizer(docs("training tokenizer"), vocab_size)
-        else:
+        staged = None if run.staging is None else run.staging / "tokenizer.json"
+        if tokenizer_file is not None:
             tok = load_tokenizer(tokenizer_file)
-        tok.save(str(dir / "tokenizer.json"))
+            tok.save(str(dir / "tokenizer.json"))
+        elif staged is not None and staged.is_file():  # trained by the preparation this one resumes
+            tok = load_tokenizer(staged)
+            shutil.copyfile(staged, dir / "tokenizer.json")
+        else:
+            tok = train_tokenizer(docs("training tokenizer"), vocab_size)
+            tok.save(str(dir / "tokenizer.json"))
+            if staged is not None:  # kept for a resumed preparation: training it again would cost minutes
+                staged.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(dir / "tokenizer.json", staged.with_suffix(f".{os.getpid()}.tmp"))
+                os.replace(staged.with_suffix(f".{os.getpid()}.tmp"), staged)
         if tokenizer_file is not None:  # its specials and chat template stay beside it (data/tokenizer.py)
             for companion in companion_files(tokenizer_file.parent):
                 shutil.copyfile(companion, dir / companion.name)
@@ -194,15 +260,7 @@ def _build(
                 f"set vocab_size to at least {actual_vocab}"
             )
         if sft is None:
-            file_of_doc: deque[int] = deque()  # the file of each document handed to the encoder, in order
-
-            def sourced_docs():
-                for index, doc in iter_sourced_documents(resolved, text_field):
-                    file_of_doc.append(index)
-                    yield doc
-
-            token_docs = encode_documents(tok, _counting(sourced_docs(), bar, "tokenising"))
-            counts = _write_shards(token_docs, dir, actual_vocab, val_fraction, file_of_doc, len(resolved))
+            counts = _tokenise_text(dir, resolved, tok, actual_vocab, val_fraction, text_field, bar, run)
         else:
             stats = SftStats()
             examples = _counting(iter_examples(resolved, sft, tok, template, stats), bar, "tokenising", "examples")
@@ -225,7 +283,9 @@ def _build(
     (dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def _cache_key(resolved, vocab_size, tokenizer_file, val_fraction, text_field, sft=None, template=None) -> str:
+def _cache_key(
+    resolved, vocab_size, tokenizer_file, val_fraction, text_field, sft=None, template=None, sample=None
+) -> str:
     tokenizer_hash = None
     if tokenizer_file:
         # The companion files decide the framing (BOS or none) and travel with the prepared tokenizer.
@@ -236,49 +296,64 @@ def _cache_key(resolved, vocab_size, tokenizer_file, val_fraction, text_field, s
     parts = [FORMAT_VERSION, sources_fingerprint(resolved), vocab_size, tokenizer_hash, val_fraction, text_field]
     if sft is not None:  # text keeps its key: caches prepared before fine-tuning existed stay valid
         parts += ["sft", asdict(sft), template]
+    if sample is not None and sample != DEFAULT_SAMPLE_BYTES:  # the default keeps the keys made before it
+        parts += ["tokenizer_sample_bytes", sample]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
-def _write_shards(
-    token_docs: Iterator[np.ndarray],
-    dir: Path,
-    vocab_size: int,
-    val_fraction: float,
-    file_of_doc: deque[int],
-    files: int,
-) -> dict:
-    """The last `val_fraction` of each document's tokens goes to val, so even a corpus of a few long
-    documents gets a held-out split. Documents shorter than 1/val_fraction tokens would contribute
-    nothing that way; when the val share falls behind by a whole such document, it goes to val entire.
-    `file_of_doc` yields the file of each document in turn: each file's [train, val] tokens are counted."""
-    seen = val = documents = 0
-    file_tokens = [[0, 0] for _ in range(files)]
-    with ShardWriter(dir, "train", vocab_size) as train_w, ShardWriter(dir, "val", vocab_size) as val_w:
-        for ids in token_docs:
-            documents += 1
-            seen += len(ids)
-            n_val = int(len(ids) * val_fraction)
-            if round(seen * val_fraction) - val >= len(ids):
-                n_val = len(ids)
-            train_w.write(ids[: len(ids) - n_val])
-            val_w.write(ids[len(ids) - n_val :])
-            val += n_val
-            counts = file_tokens[file_of_doc.popleft()]
-            counts[0] += len(ids) - n_val
-            counts[1] += n_val
-    return {
-        "documents": documents,
-        "train_shards": [p.name for p in train_w.paths],
-        "val_shards": [p.name for p in val_w.paths],
-        "train_tokens": train_w.total_tokens,
-        "val_tokens": val_w.total_tokens,
-        "file_tokens": file_tokens,
-    }
+def _tokenise_text(dir, resolved, tok, vocab_size, val_fraction, text_field, bar, run) -> dict:
+    """Tokenise the units not already in the staging directory, put every part into the shards in unit
+    order (while later units are still being tokenised) and return the manifest's counts."""
+    store, units, dtype = PartStore(run.staging), run.units, dtype_for_vocab(vocab_size)
+    finished = {i: meta for i in range(len(units)) if (meta := store.finished(i)) is not None}
+    jobs = [
+        UnitJob(i, u, resolved[u.source], text_field, run.staging, dtype.str)
+        for i, u in enumerate(units)
+        if i not in finished
+    ]
+    spec = TokenizerSpec(tok.to_str(), special_tokens(tok))
+    if run.ray_address is not None:
+        results = run_on_ray(jobs, spec, run.ray_address)
+    else:
+        small = sum(job.unit.size for job in jobs) < POOL_MIN_BYTES
+        results = run_local(jobs, spec, 1 if small else run.workers)
+    reused_bytes = sum(units[i].size for i in finished)
+    progress = UnitProgress(bar, len(units), sum(u.size for u in units), len(finished), reused_bytes)
+    if finished and bar is not None:
+        bar.console.print(f"resuming: {len(finished)} of {len(units)} units already tokenised in {run.staging}")
+    records, nodes = [0] * len(resolved), set()
+    with closing(results), ShardMerge(dir, vocab_size, val_fraction, len(resolved)) as merge:
+        for i, unit in enumerate(units):
+            meta = finished.get(i)
+            if meta is None:
+                meta = next(results)
+                if "error" in meta:
+                    raise _BadInput(meta["error"])
+                nodes.add(meta.get("node"))
+                progress.finished(unit.size, meta["tokens"])
+            records[unit.source] += meta.get("records", 0)
+            merge.add(unit.source, *store.read(i, dtype))
+            _unit_merged(i)
+    for index, source in enumerate(resolved):  # a file cut into units is checked for records here, as a whole
+        split = any(u.source == index and u.how != "whole" for u in units)
+        if split and records[index] == 0:
+            raise _BadInput(f"data source {source.path} holds no records")
+    if merge.documents == 0:
+        names = ", ".join(str(s.path) for s in resolved[:3]) + (", ..." if len(resolved) > 3 else "")
+        raise _BadInput(f"corpus is empty: no text in {len(resolved)} source file(s) ({names})")
+    ray_nodes = len(nodes - {None})
+    workers = None if run.ray_address is not None else run.workers  # on Ray, the cluster's CPUs tokenised
+    preparation = {"units": len(units), "reused_units": len(finished), "workers": workers, "ray_nodes": ray_nodes}
+    return {**merge.counts(), "preparation": preparation}
+
+
+def _unit_merged(index: int) -> None:
+    """Called as each unit's part enters the shards; tests stop a preparation here as a crash would."""
 
 
 def _write_examples(examples, dir: Path, vocab_size: int, val_fraction: float, max_length: int) -> dict:
     """Whole examples, in record order, each to train or val: example k (from 0) goes to val while val
-    holds fewer than ceil(k * val_fraction), the share falling behind as in _write_shards. So val gets
+    holds fewer than ceil(k * val_fraction), the share falling behind as in ShardMerge.add. So val gets
     about val_fraction of the examples; the first goes to train, the second to val (val_fraction > 0)."""
     with (
         ExampleWriter(dir, "train", vocab_size, max_length) as train,

@@ -93,7 +93,13 @@ def register(app: typer.Typer) -> None:
             print(resolved_yaml(config), end="")
 
     @data_app.command("prepare")
-    def data_prepare(args: Optional[list[str]] = ArgsArg, json_out: bool = JsonOpt) -> None:
+    def data_prepare(
+        args: Optional[list[str]] = ArgsArg,
+        json_out: bool = JsonOpt,
+        ray_address: Optional[str] = typer.Option(
+            None, "--ray-address", help="Tokenise as tasks on this Ray cluster (HOST:PORT); shared storage needed."
+        ),
+    ) -> None:
         """Tokenise the config's corpus into token shards (train the tokenizer first if needed).
 
         Example:
@@ -108,7 +114,7 @@ def register(app: typer.Typer) -> None:
         config = load_config(path, overrides)
         resolve_pretrained(config)
         with owned_run_dir(config):  # never under a live run: it rewrites the run's config
-            data = prepare_run(config, progress=not json_out)
+            data = prepare_run(config, progress=not json_out, ray_address=ray_address)
         report = {
             "dir": str(data.dir),
             "tokenizer": str(data.tokenizer_path),

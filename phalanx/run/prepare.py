@@ -28,8 +28,9 @@ def save_config(config: Config, run_dir: Path) -> Path:
     return target
 
 
-def prepare_run(config: Config, progress: bool = True) -> PreparedData:
-    """Create the run directory, save the resolved config, tokenise the corpus (or reuse the cache)."""
+def prepare_run(config: Config, progress: bool = True, ray_address: str | None = None) -> PreparedData:
+    """Create the run directory, save the resolved config, tokenise the corpus (or reuse the cache).
+    ray_address: tokenise as tasks on that Ray cluster (`phalanx data prepare --ray-address`)."""
     run = RunDir(config.run_dir)
     try:
         run.path.mkdir(parents=True, exist_ok=True)
@@ -58,6 +59,9 @@ def prepare_run(config: Config, progress: bool = True) -> PreparedData:
         d.text_field,
         progress=progress,
         sft=sft_options(config),
+        workers=d.workers,
+        ray_address=ray_address,
+        tokenizer_sample_bytes=d.tokenizer_sample_bytes,
     )
     shutil.copyfile(data.tokenizer_path, run.tokenizer)
     keep_tokenizer_companions(data.tokenizer_path.parent, run)

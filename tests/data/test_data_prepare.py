@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
+import phalanx.data.parts as parts_module
 import phalanx.data.prepare as prepare_module
 from phalanx.data.prepare import PreparedData, prepare_data
 from phalanx.data.shards import read_shard
@@ -65,7 +66,7 @@ def test_second_call_reuses_the_cache_without_retokenising(tmp_path, monkeypatch
         raise AssertionError("retokenised a cached corpus")
 
     monkeypatch.setattr(prepare_module, "train_tokenizer", fail)
-    monkeypatch.setattr(prepare_module, "encode_documents", fail)
+    monkeypatch.setattr(parts_module, "encode_documents", fail)  # small: tokenised in this process
     second = prepare(tmp_path)
     assert second == first
     assert {p: p.stat().st_mtime_ns for p in second.dir.iterdir()} == mtimes
