@@ -9,7 +9,7 @@
 # they start. TEST_WORKERS=N sets the count (0: no workers, every test in this process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+workers=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)  # longest files first: tests/timing.py
 if [ "${1:-}" = "--all" ]; then
   shift
   EXTRAS=test-all bash scripts/setup.sh

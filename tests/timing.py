@@ -4,6 +4,12 @@ At the end of every run pytest prints the slowest tests (setup, call and teardow
 fixture's training shows on the test that paid for it) and the total per folder. `--time-limit=SECONDS`
 fails the run with one line when the tests took longer than that: CI sets it so that the suite cannot
 drift silently toward CI's hard limit. `--timings-json=PATH` writes every test's time, for TESTING.md.
+
+The files run longest first. With two workers sharing the suite a file at a time, a long file dealt out
+last runs alone at the end (xdist's own order, by test count, dealt the one-test demo file among the
+last: about 200 s of one idle worker). file_seconds.json holds each file's seconds from a whole run
+(`python tests/timing.py --file-seconds TIMINGS.json` writes it); a file it does not know is counted at
+FALLBACK_SECONDS a test. scripts/test.sh turns xdist's reordering off so that this order holds.
 """
 
 from __future__ import annotations
@@ -102,6 +108,33 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(Timings(config), "phalanx-timings")
 
 
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+FALLBACK_SECONDS = 2.0  # a test of a file file_seconds.json does not know yet
+
+
+def file_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest files first (see the module docstring); a file's tests keep their order."""
+    known = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    counts: dict[str, int] = defaultdict(int)
+    for item in items:
+        counts[file_of(item.nodeid)] += 1
+    seconds = {f: known.get(f, n * FALLBACK_SECONDS) for f, n in counts.items()}
+    first_seen = {f: i for i, f in reversed(list(enumerate(file_of(item.nodeid) for item in items)))}
+    items.sort(key=lambda item: (-seconds[file_of(item.nodeid)], first_seen[file_of(item.nodeid)]))
+
+
+def file_seconds(timings: dict) -> dict[str, float]:
+    """Each file's seconds in a --timings-json file, longest first."""
+    totals: dict[str, float] = defaultdict(float)
+    for nodeid, seconds in timings["tests"].items():
+        totals[file_of(nodeid)] += seconds
+    return {f: round(s, 1) for f, s in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def markdown(timings: dict, slowest: int = 30) -> str:
     """TESTING.md's tables from a --timings-json file: the slowest tests and the seconds per folder."""
     tests: dict[str, float] = timings["tests"]
@@ -118,7 +151,12 @@ def markdown(timings: dict, slowest: int = 30) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python tests/timing.py TIMINGS.json: the tables for TESTING.md
+if __name__ == "__main__":
+    # python tests/timing.py TIMINGS.json: the tables for TESTING.md;
+    # python tests/timing.py --file-seconds TIMINGS.json: the files' seconds, into file_seconds.json.
     import sys
 
-    print(markdown(json.loads(Path(sys.argv[1]).read_text())))
+    if sys.argv[1] == "--file-seconds":
+        FILE_SECONDS.write_text(json.dumps(file_seconds(json.loads(Path(sys.argv[2]).read_text())), indent=1) + "\n")
+    else:
+        print(markdown(json.loads(Path(sys.argv[1]).read_text())))
