@@ -13,40 +13,18 @@ from pathlib import Path
 import pytest
 
 from tests.data.prepare_helpers import make_corpus
+from tests.ray_cluster import RAY_ENV, loopback_cluster
 
 pytestmark = pytest.mark.slow  # a Ray cluster takes 10-20 s to start
 
 ray = pytest.importorskip("ray", reason="the Ray tests need the ray extra (pip install 'phalanx[ray]')")
 
-# Every Ray process and each node's advertised address on 127.0.0.1 (only loopback traffic is allowed here).
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-RAY_CLI = str(Path(sys.executable).parent / "ray")
-
 
 @pytest.fixture(scope="module")
 def ray_address():
     """The GCS address of a head and one more node, each 1 CPU; stopped after the module."""
-    from ray.cluster_utils import Cluster
-
-    saved = {k: os.environ.get(k) for k in RAY_ENV}
-    os.environ.update(RAY_ENV)
-    cluster = None
-    try:
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-        )
-        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    with loopback_cluster({"num_cpus": 1, "include_dashboard": False}, {"num_cpus": 1}) as cluster:
         yield cluster.address
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
-        subprocess.run([RAY_CLI, "stop", "--force"], capture_output=True, timeout=120)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def test_two_ray_nodes_write_the_bytes_of_a_local_preparation(tmp_path, ray_address):

@@ -17,49 +17,26 @@ import pytest
 
 from phalanx.run.records import read_events
 from tests.helpers import agent_of, free_port, is_rank, losses_by_step, train_json
+from tests.ray_cluster import RAY_CLI, loopback_cluster
 
 pytestmark = pytest.mark.slow  # each test here takes over 5 s (TESTING.md)
 
 ray = pytest.importorskip("ray", reason="the Ray tests need the ray extra (pip install 'phalanx[ray]')")
 
-# Ray's multi-node switch off makes every Ray process, and each node's advertised address, 127.0.0.1
-# (only loopback traffic is allowed on these machines); ray.cluster_utils adds nodes without that switch.
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-RAY_CLI = str(Path(sys.executable).parent / "ray")
-
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     """(GCS address, dashboard URL) of a head and one more node, each 1 CPU; stopped after the module."""
-    from ray.cluster_utils import Cluster
-
-    saved = {k: os.environ.get(k) for k in RAY_ENV}
-    os.environ.update(RAY_ENV)
     dashboard = free_port()
-    cluster = None
-    try:
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 1,
-                "resources": {"node_a": 1},
-                "node_ip_address": "127.0.0.1",
-                "include_dashboard": True,
-                "dashboard_host": "127.0.0.1",
-                "dashboard_port": dashboard,
-            },
-        )
-        cluster.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
+    head = {
+        "num_cpus": 1,
+        "resources": {"node_a": 1},
+        "include_dashboard": True,
+        "dashboard_host": "127.0.0.1",
+        "dashboard_port": dashboard,
+    }
+    with loopback_cluster(head, {"num_cpus": 1, "resources": {"node_b": 1}}) as cluster:
         yield cluster.address, f"http://127.0.0.1:{dashboard}"
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
-        subprocess.run([RAY_CLI, "stop", "--force"], capture_output=True, timeout=120)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def named(args: list[str], name: str) -> list[str]:
