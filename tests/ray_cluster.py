@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +20,12 @@ RAY_CLI = str(Path(sys.executable).parent / "ray")
 @contextlib.contextmanager
 def loopback_cluster(head_node_args: dict, node_args: dict) -> Iterator:
     """A head and one more node (ray.cluster_utils.Cluster) on 127.0.0.1, with RAY_ENV set while it runs;
-    every Ray process stopped and the environment restored after."""
+    every Ray process stopped and the environment restored after. One cluster at a time on the machine
+    (a lock the test workers share): the teardown's `ray stop --force` would take down another's."""
     from ray.cluster_utils import Cluster
 
+    lock = open(Path(tempfile.gettempdir()) / "phalanx-tests-ray-cluster.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
     saved = {k: os.environ.get(k) for k in RAY_ENV}
     os.environ.update(RAY_ENV)
     cluster = None
@@ -37,3 +42,4 @@ def loopback_cluster(head_node_args: dict, node_args: dict) -> Iterator:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        lock.close()  # releases the lock
