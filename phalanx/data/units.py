@@ -10,12 +10,12 @@ read one after another are exactly the documents of the corpus read straight thr
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from phalanx.data.corpus import Source, _read
+from phalanx.data.readers.jsonl import json_line
 from phalanx.errors import PhalanxError
 
 UNIT_BYTES = 32 << 20  # a unit's share of a big file: a few seconds of one core's tokenising
@@ -132,12 +132,7 @@ def _jsonl_range(path: Path, start: int, stop: int):
     for offset, raw in enumerate(io.BytesIO(chunk)):
         if not raw.strip():
             continue
-        try:
-            value = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise PhalanxError(f"{path}:{_line_number(path, start, offset)}: not valid UTF-8") from None
-        except json.JSONDecodeError as e:
-            raise PhalanxError(f"{path}:{_line_number(path, start, offset)}: invalid JSON ({e.msg})") from None
+        value = json_line(raw, lambda k=offset: f"{path}:{_line_number(path, start, k)}")
         yield _Where(path, start, offset), value
 
 

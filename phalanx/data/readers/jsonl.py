@@ -7,7 +7,7 @@ import gzip
 import io
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -60,13 +60,17 @@ def jsonl_values(path: Path) -> Iterator[tuple[int, Any]]:
             lineno += 1
             if not raw.strip():
                 continue
-            try:
-                value = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                raise PhalanxError(f"{path}:{lineno}: not valid UTF-8") from None
-            except json.JSONDecodeError as e:
-                raise PhalanxError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            yield lineno, value
+            yield lineno, json_line(raw, lambda n=lineno: f"{path}:{n}")
+
+
+def json_line(raw: bytes, where: Callable[[], str]) -> Any:
+    """One JSON Lines record; bad bytes or JSON are one line naming `where()` (file:line, asked only then)."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise PhalanxError(f"{where()}: not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise PhalanxError(f"{where()}: invalid JSON ({e.msg})") from None
 
 
 def _decompression_errors(path: Path) -> tuple[type[BaseException], ...]:
