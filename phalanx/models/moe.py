@@ -169,8 +169,8 @@ class MoE(nn.Module):
     def experts(self, x_PD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """SwiGLU of each row by its expert: rows sorted by expert, counts_E of them for each expert this
         process holds (all of them, or under expert parallelism its own share)."""
-        # Autocast's dtype, or the rows' own: experts split over ranks keep their float32 weights while FSDP
-        # casts the rest of the model (parallel/expert_parallel.py).
+        # Autocast's dtype (which does not cover the grouped GEMM), or the rows' own: under FSDP, whose
+        # policy has cast the weights already.
         autocast = torch.is_autocast_enabled(x_PD.device.type)
         dtype = torch.get_autocast_dtype(x_PD.device.type) if autocast else x_PD.dtype
         # Compiled, torch traces _grouped_mm in bfloat16 only (its meta kernel refuses other dtypes): the

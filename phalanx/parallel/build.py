@@ -15,7 +15,7 @@ from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.lora import adapter_rule, apply_lora, is_adapter, shard_adapters
 from phalanx.parallel.apply import wrap_blocks, wrap_ddp
 from phalanx.parallel.context_parallel import gradient_mesh
-from phalanx.parallel.expert_parallel import apply_expert_parallel, expert_parameters
+from phalanx.parallel.expert_parallel import apply_expert_parallel, shard_experts
 from phalanx.parallel.float8 import apply_float8, check_float8
 from phalanx.parallel.materialize import materialize
 from phalanx.parallel.mesh import Layout
@@ -90,13 +90,15 @@ def _shard(root: nn.Module, blocks, layout: Layout, mesh, dtype: torch.dtype) ->
     # FSDP casts parameters itself, so the trainer skips autocast under FSDP; gradients reduce in fp32.
     # Two data-parallel dimensions make it HSDP: shards within dp_shard, replicas across dp_replicate.
     # Parameters are replicated over cp too, so cp ranks join the shard groups (dp_shard x cp).
-    # Experts split by expert parallelism are left out (parallel/expert_parallel.py owns their gradients).
+    # Experts split by expert parallelism are sharded over the ranks holding the same ones instead
+    # (parallel/expert_parallel.py), in groups of their own.
     dp_mesh = gradient_mesh(mesh, layout, sharded=True)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    experts = expert_parameters(root) or None
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, ignored_params=experts)
-    fully_shard(root, mesh=dp_mesh, mp_policy=policy, ignored_params=experts)
+        if layout.ep > 1:
+            shard_experts(block, dp_mesh, policy, layout.dp)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(root, mesh=dp_mesh, mp_policy=policy)
 
 
 def uses_fsdp(layout: Layout) -> bool:

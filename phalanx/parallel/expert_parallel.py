@@ -14,12 +14,13 @@ What happens in an MoE layer's forward (its backward is the same all-to-alls the
    expert, and are regrouped by expert for the grouped GEMM;
 3. the results go back the same way, into the order the rows left in.
 
-Gradients: the rest of the model is FSDP's, which averages over the data-parallel ranks. The experts are
-not FSDP's (they are sharded over ep instead, and replicated over the data-parallel ranks outside their
-ep group: ep x dp_replicate x dp_shard / ep). Their gradients arrive summed over the ep group by the
-all-to-all's backward; ExpertGradients sums them over the replicas too and divides by the data-parallel
-size, which gives the same mean as FSDP's. Sharding the experts further with FSDP over those replicas
-(torchtitan's "efsdp") is not built: each rank holds the whole of its 1/ep of the experts.
+FSDP2 then shards each rank's experts further over the ranks that hold the same ones (its "replicas":
+the data-parallel ranks outside its ep group, ep x replicas = dp_replicate x dp_shard), as torchtitan's
+"efsdp" does, so a rank keeps 1 / dp of the experts between steps rather than 1 / ep: shard_experts.
+FSDP gathers them for each layer's forward and again for its backward, and reduce-scatters their
+gradients over the replicas. Those gradients arrive already summed over the ep group (by the all-to-all's
+backward), so FSDP divides them by the whole data-parallel size rather than the replicas', which gives
+the same mean as the rest of the model's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from phalanx.models.moe import EXPERT_WEIGHTS, MoE, moe_layers
+from phalanx.models.moe import EXPERT_WEIGHTS, moe_layers
 from phalanx.parallel.mesh import Layout
 
 
@@ -43,7 +44,7 @@ def expert_meshes(mesh, layout: Layout):
 
 def apply_expert_parallel(model: nn.Module, mesh, layout: Layout) -> None:
     """Shard each MoE layer's experts over the ep ranks and route its rows to them (on the meta device,
-    before FSDP, which must then leave the experts out: expert_parameters)."""
+    before FSDP, which shard_experts then applies to them over their replicas)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     ep_mesh, replicas = expert_meshes(mesh, layout)
@@ -51,20 +52,42 @@ def apply_expert_parallel(model: nn.Module, mesh, layout: Layout) -> None:
         for name in EXPERT_WEIGHTS:
             weight = getattr(moe, name)
             setattr(moe, name, nn.Parameter(distribute_tensor(weight, ep_mesh, [Shard(0)])))
-        moe.expert_parallel = AllToAllExperts(ep_mesh.get_group(), layout.ep, moe.n_experts, replicas.get_group())
+        moe.expert_parallel = AllToAllExperts(ep_mesh.get_group(), layout.ep, moe.n_experts, replicas)
 
 
-def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The parameters expert parallelism shards (FSDP leaves them alone)."""
-    return {getattr(m, name) for m in moe_layers(model) if m.expert_parallel is not None for name in EXPERT_WEIGHTS}
+def shard_experts(block: nn.Module, dp_mesh, policy, dp: int) -> None:
+    """FSDP2 over a block's expert-parallel MoE layers, before the block's own (see the module
+    docstring). The router and any shared experts are the block's kind of parameters, sharded over
+    `dp_mesh`: each gets an FSDP group of its own first, so that the MoE module's group holds the experts
+    alone and the block's group, which leaves modules already sharded alone, none of them."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    for moe in moe_layers(block):
+        if moe.expert_parallel is None:
+            continue
+        for part in (moe.router, moe.shared):
+            if part is not None:
+                fully_shard(part, mesh=dp_mesh, mp_policy=policy)
+        replicas = moe.expert_parallel.replicas_mesh
+        local_experts = moe.n_experts // moe.expert_parallel.ep
+        # By expert where each replica gets whole experts; otherwise by the hidden dimension (dim 1 of
+        # every expert weight), which no replica count short of the hidden size leaves empty.
+        dim = 0 if local_experts % replicas.size() == 0 else 1
+        fully_shard(moe, mesh=replicas, mp_policy=policy, shard_placement_fn=lambda _param, dim=dim: Shard(dim))
+        moe.set_gradient_divide_factor(float(dp))
+        # A sum and then the division: a reduction that scales as it goes (NCCL's PreMulSum) is not gloo's.
+        # Not for a group of one, which torch 2.13 would then divide twice (its copy in place of the
+        # reduce-scatter divides, and so does the division after the sum).
+        moe.set_force_sum_reduction_for_comms(replicas.size() > 1)
 
 
 class AllToAllExperts:
     """MoE.expert_parallel: computes rows sorted by expert on the ranks that hold their experts."""
 
-    def __init__(self, group, ep: int, n_experts: int, replicas_group):
+    def __init__(self, group, ep: int, n_experts: int, replicas_mesh):
         self.group, self.ep, self.local_experts = group, ep, n_experts // ep
-        self.replicas_group = replicas_group
+        self.replicas_mesh = replicas_mesh  # the ranks holding the same experts: shard_experts
 
     def __call__(self, x_PD: torch.Tensor, counts_E: torch.Tensor, compute) -> torch.Tensor:
         # counts_E, read as (destination rank, its expert): what this rank sends to each expert.
@@ -90,31 +113,3 @@ def _all_to_all(x_RD: torch.Tensor, output_sizes: list[int], input_sizes: list[i
     gradients back the other way)."""
     out = funcol.all_to_all_single_autograd(x_RD.contiguous(), output_sizes, input_sizes, group)
     return funcol.wait_tensor(out)
-
-
-class ExpertGradients:
-    """After backward, before clipping: the experts' gradients as the mean over the data-parallel ranks
-    (see the module docstring)."""
-
-    def __init__(self, model: nn.Module, layout: Layout):
-        layers = [m for m in moe_layers(model) if m.expert_parallel is not None]
-        self.params = [getattr(m, name) for m in layers for name in EXPERT_WEIGHTS]
-        self.replicas_group = layers[0].expert_parallel.replicas_group if layers else None
-        self.replicas = layout.dp // layout.ep
-        self.dp = layout.dp
-
-    @torch.no_grad()
-    def __call__(self) -> None:
-        grads = [p.grad.to_local() for p in self.params if p.grad is not None]
-        if not grads:
-            return
-        if self.replicas > 1:  # each in place: one flat copy of them all would be the step's peak at scale
-            for grad in grads:
-                dist.all_reduce(grad, group=self.replicas_group)
-        torch._foreach_div_(grads, self.dp)
-
-
-def expert_gradients(model: nn.Module, layout: Layout) -> ExpertGradients | None:
-    if layout.ep == 1 or not any(isinstance(m, MoE) for m in model.modules()):
-        return None
-    return ExpertGradients(model, layout)

@@ -8,8 +8,8 @@ projections in every block. The step walk (memory.py) asks each layer's kind for
 Shapes are one tensor-parallel rank's, as the model registers them. An MoE block is not split by TP
 (parallel/tensor_parallel.py): every TP rank holds the router, the experts and the shared experts
 whole. The experts are kept apart from the rest of the block's parameters ("experts"), because under
-expert parallelism (parallel/expert_parallel.py) FSDP leaves them out and each rank holds 1/ep of them
-whole, in float32, with their gradients and AdamW moments.
+expert parallelism (parallel/expert_parallel.py) they are a group of their own: each rank's 1/ep of
+them, which FSDP shards over the ranks holding the same ones.
 
 Shape letters as in memory.py, and P = N * k routed rows (N tokens through the layer, k experts each),
 E experts, Fe one expert's ffn dim, Fs the shared experts' (n_shared_experts * Fe).

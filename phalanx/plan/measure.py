@@ -38,7 +38,6 @@ from phalanx.parallel.apply import parallelize
 from phalanx.parallel.build import build_parallel_model, uses_fsdp
 from phalanx.parallel.device import compute_dtype
 from phalanx.parallel.distributed import init_distributed, teardown
-from phalanx.parallel.expert_parallel import expert_gradients
 from phalanx.parallel.mesh import Layout, build_mesh
 from phalanx.train.optim import build_optimizer
 from phalanx.train.step import train_step
@@ -108,8 +107,6 @@ def measure(
                 optimizer = build_optimizer(model, train)
                 params = [p for p in model.parameters() if p.requires_grad]
             fsdp = env.distributed and (strategy == "fsdp" if layout is None else uses_fsdp(layout))
-            # expert parallelism's share of the gradients, as the trainer completes them
-            finish = expert_gradients(model, layout) if layout is not None else None
             # As the trainer: under FSDP the mixed-precision policy casts parameters, elsewhere autocast does.
             autocast = (
                 (lambda: torch.autocast("cpu", dtype=cdtype))
@@ -130,9 +127,8 @@ def measure(
                         device=env.device,
                         grad_clip=train.grad_clip,
                         autocast=autocast,
-                        finish_gradients=finish,
                     )
-            del model, optimizer, params, micro_batches, finish
+            del model, optimizer, params, micro_batches
             gc.collect()  # everything built above is freed inside the trace
         peak, unpaired = _peak_live_bytes(prof.profiler.kineto_results)
         clean = True

@@ -70,7 +70,8 @@ class Workload:
     lora_rank: int = 0
     lora_targets: str = "all"
     # Expert parallelism (parallel/expert_parallel.py): ranks of the FSDP group (world_size) that split a
-    # mixture of experts' experts; each holds n_experts / ep of them whole, outside FSDP.
+    # mixture of experts' experts n_experts / ep each; FSDP shards those over the world_size / ep ranks
+    # that hold the same ones, in a group of each MoE layer's own.
     ep: int = 1
 
     def __post_init__(self):
@@ -193,7 +194,7 @@ class _Live:
 
 @dataclass(frozen=True)
 class _KindSizes:
-    """One block kind's sizes on this rank (blocks.py): FSDP's group and the experts held apart."""
+    """One block kind's sizes on this rank (blocks.py): FSDP's group and expert parallelism's experts."""
 
     numel: int  # FSDP's group (the experts too unless expert parallelism holds them)
     padded: int
@@ -201,7 +202,8 @@ class _KindSizes:
     trained: int
     trained_padded: int
     tensors: int  # trained parameter tensors (AdamW's step counters)
-    experts: float  # experts this rank holds outside FSDP (ep > 1): n_experts / ep of them, whole
+    experts: float  # under expert parallelism: this rank's shard of its n_experts / ep experts
+    expert_gather: float  # ... and those n_experts / ep, gathered by their FSDP group (padded)
     expert_cast: int  # bytes of the experts' bf16 copies MoE.experts makes and the grouped GEMMs keep
 
 
@@ -213,6 +215,16 @@ class _StepWalk:
         shapes = param_shapes(a, w.tp, w.lora_rank, w.lora_targets)
         numel = lambda s: math.prod(s)  # noqa: E731
         padded = lambda s: math.ceil(s[0] / n) * n * math.prod(s[1:])  # FSDP2 pads dim 0 to N rows
+        # Expert parallelism: FSDP shards each rank's n_experts / ep experts over the ranks holding the
+        # same ones, by expert where they divide evenly, else along dim 1 (parallel/expert_parallel.py).
+        replicas = self.expert_replicas = max(1, n // w.ep)
+        expert_padded = (
+            lambda s: (  # noqa: E731
+                s[0] // w.ep * math.prod(s[1:])
+                if s[0] // w.ep % replicas == 0
+                else s[0] // w.ep * math.ceil(s[1] / replicas) * replicas * math.prod(s[2:])
+            )
+        )
         lora = w.lora_rank > 0
         # Each layer's kind (one for a dense model; dense and MoE blocks for a mixture of experts).
         self.layers = block_kinds(a, w.tp)
@@ -220,11 +232,11 @@ class _StepWalk:
         for kind in {k.name: k for k in self.layers}.values():
             group = kind.shapes + shapes["adapters"] + (kind.experts if w.ep == 1 else [])
             trained = shapes["adapters"] if lora else group
-            experts = sum(numel(s) for s in kind.experts) / w.ep if w.ep > 1 else 0
+            gathered = sum(expert_padded(s) for s in kind.experts) if w.ep > 1 else 0
             # The experts' .to(compute dtype) (models/moe.py) copies them where FSDP has not already
-            # gathered them in bf16: under autocast, and under expert parallelism (float32, outside FSDP).
+            # gathered them in bf16: under autocast.
             held = sum(numel(s) for s in kind.experts) / w.ep
-            cast = w.regime == "autocast" or (w.ep > 1 and w.regime != "float32")
+            cast = w.regime == "autocast"
             self.sizes[kind.name] = _KindSizes(
                 numel=sum(numel(s) for s in group),
                 padded=sum(padded(s) for s in group),
@@ -232,14 +244,14 @@ class _StepWalk:
                 trained=sum(numel(s) for s in trained),
                 trained_padded=sum(padded(s) for s in trained),
                 tensors=len(trained) + (len(kind.experts) if w.ep > 1 else 0),
-                experts=experts,
+                experts=gathered / replicas,
+                expert_gather=gathered,
                 expert_cast=int(BF16 * held) if cast and kind.experts else 0,
             )
         layer_sizes = [self.sizes[k.name] for k in self.layers]
         self.root_numel = sum(numel(s) for s in shapes["root"])
         self.root_padded = sum(padded(s) for s in shapes["root"])
-        self.total_numel = self.root_numel + sum(s.numel + s.experts for s in layer_sizes)
-        self.experts = sum(s.experts for s in layer_sizes)  # held outside FSDP, float32, whole
+        self.experts = sum(s.experts for s in layer_sizes)  # expert parallelism's shards, in groups of their own
         local_numel = (self.root_padded + sum(s.padded for s in layer_sizes)) / n + self.experts
         self.params = FP32 * local_numel
         # RoPE cos and sin tables (never sharded), and DeepSeek-V3's routing biases (float32 buffers).
@@ -419,6 +431,8 @@ class _StepWalk:
             cached += copies
             if w.sharded:
                 self._gather(size.padded, where)
+            if size.expert_gather:  # the experts' own group, gathered while the MoE layer runs
+                self._gather(size.expert_gather, where)
             if w.activation_checkpointing:
                 live.add(ACTIVATIONS, self.block_input(), where)
                 # autocast caches its weight copies until the autocast region ends, checkpoint or not;
@@ -428,6 +442,7 @@ class _StepWalk:
             else:
                 live.add(ACTIVATIONS, self.block_saved(kind), where)
                 live.add(WEIGHT_COPIES, copies + size.expert_cast, where)
+            live.free(WEIGHT_COPIES, self.gather * size.expert_gather)  # resharded after its forward
             if w.sharded and w.device_kind == "gpu":
                 # The host runs ahead of the GPU: the next block's all-gather lands while this one computes.
                 following = self.layers[i + 1] if i + 1 < len(self.layers) else kind
@@ -477,6 +492,8 @@ class _StepWalk:
                 live.free(TEMPORARIES, prefetch)
                 prefetch = gathered(i - 1) if i > 0 else 0
                 self._prefetch(prefetch, where)
+            if size.expert_gather:  # gathered again for the MoE layer's recompute and backward
+                self._gather(size.expert_gather, where)
             if w.activation_checkpointing:  # recompute the block's forward
                 live.add(ACTIVATIONS, self.block_saved(kind), where + " (recompute)")
                 live.add(WEIGHT_COPIES, copies + size.expert_cast, where + " (recompute)")
@@ -485,11 +502,19 @@ class _StepWalk:
             # MoE layer's the same over its routed rows (blocks.py).
             ffn = moe_backward_temporaries(a, self.bt, self.act) if kind.moe else 2 * self.act * self.bt * f
             live.spike(TEMPORARIES, ffn + 2 * self.residual * self.bt * d, where)
+            if size.expert_gather:  # the MoE layer's backward ends first: its group reduce-scatters
+                self._weight_grad(size.expert_gather, where)
+                live.free(WEIGHT_COPIES, self.gather * size.expert_gather)
+                rs_input = self._reduce_scatter(
+                    size.expert_gather,
+                    size.expert_gather,
+                    fsdp_grad,
+                    rs_input,
+                    last,
+                    where + " experts' reduce-scatter",
+                    shards=self.expert_replicas,
+                )
             self._weight_grad(size.trained, where)
-            if size.experts:  # the experts held apart: float32 gradients of their own, from a bf16 one
-                if micro == 0:
-                    live.add(GRADIENTS, FP32 * size.experts, where)
-                live.spike(TEMPORARIES, size.expert_cast, where)
             saved = self.block_saved(kind) + (self.block_input() if w.activation_checkpointing else 0)
             live.free(ACTIVATIONS, saved)
             live.free(WEIGHT_COPIES, copies + size.expert_cast)
@@ -521,11 +546,6 @@ class _StepWalk:
                 "backward: reduce-scatter of the root group",
             )
             live.free(TEMPORARIES, rs_input)
-        if last and self.experts and w.world_size > w.ep and self.gloo_copies:
-            # ExpertGradients (parallel/expert_parallel.py) sums the experts' gradients over the ranks
-            # that hold the same experts, one stacked tensor at a time in place: gloo copies each.
-            largest = w.args.n_experts // w.ep * w.args.moe_ffn_dim * w.args.dim
-            live.spike(TEMPORARIES, FP32 * largest, "backward: all-reduce of the experts' gradients")
 
     def _prefetch(self, nbytes: float, moment: str) -> None:
         """FSDP's backward prefetch: the next block's all-gather output waits for its copy-out."""
@@ -543,10 +563,18 @@ class _StepWalk:
         self.live.add(TEMPORARIES, self.gather * numel, moment)
 
     def _reduce_scatter(
-        self, numel: float, padded: float, grad_bytes: int, previous_input: float, last: bool, moment: str
+        self,
+        numel: float,
+        padded: float,
+        grad_bytes: int,
+        previous_input: float,
+        last: bool,
+        moment: str,
+        shards: int | None = None,
     ) -> float:
-        """FSDP post-backward of one group; returns the reduce-scatter input it leaves alive."""
-        live, n = self.live, self.w.world_size
+        """FSDP post-backward of one group (over `shards` ranks, by default the FSDP degree); returns the
+        reduce-scatter input it leaves alive."""
+        live, n = self.live, shards or self.w.world_size
         if not last:  # no gradient sync: keep the unsharded gradients, upcast to float32
             live.free(TEMPORARIES, grad_bytes * numel)
             live.add(GRADIENTS, FP32 * numel, moment)

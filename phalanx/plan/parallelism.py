@@ -158,8 +158,8 @@ def stage_param_numel(args: ModelArgs, par: Parallelism, experts: bool = False) 
     """Parameters one TP rank of the busiest stage holds before FSDP shards them (embedding and head
     counted on it: the planner takes the heavier of the first and last stage as both); its blocks are
     the model's last (a mixture of experts' MoE blocks, not its dense first ones). experts=False: FSDP's
-    share, which leaves out the experts that expert parallelism holds; True: those experts alone (each
-    rank's 1/ep of them)."""
+    share, which leaves out the experts that expert parallelism splits; True: those experts alone (each
+    rank's 1/ep of them, before their own FSDP group shards them)."""
     root = sum(math.prod(s) for s in param_shapes(args, par.tp)["root"])
     stage = block_kinds(args, par.tp)[-par.stage_layers(args) :]
     if experts:
@@ -217,9 +217,11 @@ def communication(args: ModelArgs, par: Parallelism, micro_batch: int, seq_len: 
         # which (ep-1)/ep leaves the rank on average (routing evenly spread).
         rows = micro_batch * seq_len * args.n_experts_per_token * args.dim * act
         out["ep all-to-all"] = m * moe_layers * 4 * rows * ring(par.ep)
-        if par.dp > par.ep:  # ExpertGradients: the experts' float32 gradients summed over their replicas
-            experts = stage_param_numel(args, par, experts=True)
-            out["expert all-reduce"] = 2 * experts * FP32 * ring(par.dp // par.ep)
+        # FSDP over the ranks holding the same experts (parallel/expert_parallel.py), as for the rest:
+        # gathered for forward and for backward, their gradients reduce-scattered once a step.
+        experts = stage_param_numel(args, par, experts=True)
+        out["expert all-gather"] = 2 * m * experts * gather * ring(par.dp // par.ep)
+        out["expert reduce-scatter"] = experts * FP32 * ring(par.dp // par.ep)
     if par.cp > 1:
         # Ring attention: each rank's K and V chunk passes round the other cp-1 ranks in forward; backward
         # passes K, V and their gradients: three passes' worth in all.
@@ -267,7 +269,8 @@ def step_time(
         seconds("fsdp all-gather", "dp_shard")
         + seconds("fsdp reduce-scatter", "dp_shard")
         + seconds("dp all-reduce", "dp_replicate")
-        + seconds("expert all-reduce", "dp_shard")
+        + seconds("expert all-gather", "dp_shard")
+        + seconds("expert reduce-scatter", "dp_shard")
         + seconds("cp K/V ring", "cp")
     )
     total = busy + exposed + max(0.0, overlapped - compute)

@@ -62,7 +62,11 @@ def _held_slice(ours: dict[str, torch.Tensor], name: str) -> torch.Tensor | None
 
     rows, offset = compute_local_shape_and_global_offset(stacked.shape, stacked.device_mesh, stacked.placements)
     if any(size != whole for size, whole in zip(rows[1:], stacked.shape[1:])):
-        raise PhalanxError(f"{state_name(name)} is split within experts here: load it into whole experts")
+        raise PhalanxError(
+            f"{state_name(name)} is split within its experts on this layout (more ranks share an expert "
+            "than there are experts to share): a pretrained checkpoint loads into whole experts; choose "
+            "parallel.ep and dp_shard so that each rank holds whole ones"
+        )
     expert = int(name.partition("[")[2][:-1])
     local = expert - offset[0]
     return stacked.to_local()[local] if 0 <= local < rows[0] else None

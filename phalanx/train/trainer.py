@@ -39,7 +39,6 @@ from phalanx.parallel.distributed import (
     init_distributed,
     teardown,
 )
-from phalanx.parallel.expert_parallel import expert_gradients
 from phalanx.parallel.mesh import build_mesh, dp_coordinate, resolve_layout
 from phalanx.parallel.pipeline import Pipeline, check_pipeline, microbatches
 from phalanx.run.jsonl import JsonlSink, MetricsSink, NullSink, json_safe
@@ -149,7 +148,6 @@ class Trainer:
         self.autocast = (
             (lambda: torch.autocast(env.device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
         )
-        self.expert_gradients = expert_gradients(self.model, self.layout)  # expert parallelism's share
         # A mixture of experts' routing. LoRA keeps the base as loaded, routing biases too: the adapters
         # alone are its result (and its export).
         bias_rate = 0.0 if config.lora.rank else tc.moe_bias_rate
@@ -351,7 +349,6 @@ class Trainer:
             pp_group=self.pp_group,
             hooks=hooks,
             trained_share=trained_share,
-            finish_gradients=self.expert_gradients,
         )
         if hooks.rolled_back:
             return None

@@ -50,7 +50,7 @@ def train(parallel: str, out: str, options: str) -> None:
     """A few optimizer steps (train/step.py's train_step, through the Pipeline under pp) of the model with
     `options["model"]` changed (e.g. tied embeddings), on fixed random batches every layout sees alike;
     saves each rank's full parameters before and after (every name, a tied weight's second one too), its
-    per-step losses (last stage; None elsewhere) and gradient norms."""
+    per-step losses (last stage; None elsewhere), gradient norms and the numel of its local shards."""
     import dataclasses
     import gc
 
@@ -116,7 +116,10 @@ def train(parallel: str, out: str, options: str) -> None:
         losses.append(outcome.loss_sum.item() / outcome.parts if last else None)
         norms.append(outcome.grad_norm.item())
     rank = os.environ.get("RANK", "0")
-    torch.save({"before": before, "after": full_parameters(model), "losses": losses, "norms": norms}, f"{out}.{rank}")
+    # What this rank keeps between steps: its local shard of each parameter.
+    local = {name: (p.to_local() if hasattr(p, "to_local") else p).numel() for name, p in model.named_parameters()}
+    saved = {"before": before, "after": full_parameters(model), "losses": losses, "norms": norms, "local": local}
+    torch.save(saved, f"{out}.{rank}")
     del model, optimizer, params, pipeline  # before the group goes: the teardown flake (DESIGN.md)
     gc.collect()
     if world > 1:

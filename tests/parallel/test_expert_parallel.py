@@ -131,13 +131,14 @@ def test_what_expert_parallelism_cannot_run_is_one_line(moe_args, extra, error):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "parallel",
-    [{"strategy": "fsdp"}, {"strategy": "fsdp", "ep": 2}],
-    ids=["fsdp", "ep2"],
+    "parallel, nproc",
+    [({"strategy": "fsdp"}, 2), ({"strategy": "fsdp", "ep": 2}, 2), ({"strategy": "fsdp", "ep": 2}, 4)],
+    ids=["fsdp", "ep2", "ep2-dp_shard4"],
 )
-def test_a_pretrained_mixture_of_experts_loads_each_ranks_experts(tmp_path, parallel):
-    """A Mixtral checkpoint made by transformers, loaded by 2 ranks each holding half of the experts
-    (FSDP's shards of whole experts, or expert parallelism): together they hold every tensor exactly."""
+def test_a_pretrained_mixture_of_experts_loads_each_ranks_experts(tmp_path, parallel, nproc):
+    """A Mixtral checkpoint made by transformers, loaded by ranks each holding some of the 4 experts
+    (FSDP's shards of whole experts; expert parallelism's halves; on 4 ranks those halves sharded again
+    over the 2 ranks holding each, one expert a rank): together they hold every tensor exactly."""
     import torch
     import transformers
 
@@ -155,7 +156,7 @@ def test_a_pretrained_mixture_of_experts_loads_each_ranks_experts(tmp_path, para
     checkpoint = tmp_path / "mixtral"
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
     (tmp_path / "params").mkdir()
-    params = loaded_under(tmp_path / "params", checkpoint, parallel, 2)
+    params = loaded_under(tmp_path / "params", checkpoint, parallel, nproc)
     expected = hf_tensors(checkpoint)
     for ours, theirs in hf_names(args).items():
         assert torch.equal(expert_slice(params, ours), expected[theirs]), ours
