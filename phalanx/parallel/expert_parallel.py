@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from phalanx.models.moe import EXPERT_WEIGHTS, moe_layers
 from phalanx.parallel.mesh import Layout
@@ -90,6 +91,8 @@ class AllToAllExperts:
         self.replicas_mesh = replicas_mesh  # the ranks holding the same experts: shard_experts
 
     def __call__(self, x_PD: torch.Tensor, counts_E: torch.Tensor, compute) -> torch.Tensor:
+        if isinstance(counts_E, FakeTensor):
+            return self._evenly(x_PD, compute)
         # counts_E, read as (destination rank, its expert): what this rank sends to each expert.
         received_SL = torch.empty_like(counts_E)
         dist.all_to_all_single(received_SL, counts_E, group=self.group)
@@ -106,6 +109,18 @@ class AllToAllExperts:
         arrival_R = torch.empty_like(order_R)
         arrival_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
         return _all_to_all(out_RD[arrival_R], sent, received, self.group)
+
+    def _evenly(self, x_PD: torch.Tensor, compute) -> torch.Tensor:
+        """The planner's traced step (plan/traced.py), whose fake tensors hold no routing: the rows
+        spread evenly over the ranks and their experts, as the hand model assumes, through the same
+        all-to-alls, regrouping copies and expert computation as a real step."""
+        rows = x_PD.shape[0]
+        sizes = [rows // self.ep + (rank < rows % self.ep) for rank in range(self.ep)]
+        rows_RD = _all_to_all(x_PD, sizes, sizes, self.group)
+        per_expert = [rows // self.local_experts + (e < rows % self.local_experts) for e in range(self.local_experts)]
+        order_R = torch.arange(rows, device=x_PD.device)  # stands in for the regrouping permutation
+        out_RD = compute(rows_RD[order_R], torch.tensor(per_expert, device=x_PD.device))
+        return _all_to_all(out_RD[order_R], sizes, sizes, self.group)
 
 
 def _all_to_all(x_RD: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group) -> torch.Tensor:

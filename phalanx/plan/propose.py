@@ -34,14 +34,15 @@ from phalanx.plan.parallelism import (
 from phalanx.plan.planner import GIB, Job, _check_fractions, usable_bytes
 
 TIE = 0.02  # projected tokens/s this close count as equal: the simpler layout wins
-# Fake tensors hold no values. An MoE step without expert parallelism traces (its routing is counted into
-# fixed slots), and under FSDP its peak equals the hand walk's (tests/plan/test_plan_moe.py); but under
-# expert parallelism the all-to-all's split sizes are the routing's values (.tolist()), and MoE blocks
-# under TP and MLA on the CPU's fake kernels were measured 13% and 19% from the hand model, not yet
-# understood. So MoE layouts are planned from the hand model alone.
+# Fake tensors hold no values. An MoE step traces (its routing is counted into fixed slots; under expert
+# parallelism its rows spread evenly, as the hand model assumes), and tiny-moe's and qwen3-30b-a3b's (512
+# tokens) FSDP peaks equal the hand walk's within 0.1% (tests/plan/test_plan_moe.py, BENCHMARKS.md). But
+# at 4,096 tokens qwen3-30b-a3b traces 5% above the hand model and 19% above with activation
+# checkpointing, and MoE blocks under TP and MLA on the CPU's fake kernels were 13% and 19% off: none of
+# it understood yet. So MoE layouts are planned from the hand model alone.
 MOE_NOT_TRACED = (
-    "not traced: expert parallelism's all-to-all sizes depend on the routing, which fake tensors cannot "
-    "run; hand model only for mixtures of experts"
+    "not traced: a mixture of experts' traced step is up to 19% from the hand model at long sequences, "
+    "not yet understood; hand model only for mixtures of experts"
 )
 MAX_TRACES = 3  # candidates traced before giving up on the hand model's ranking
 

@@ -81,14 +81,17 @@ def trace_step(
     dp_replicate: int = 1,
     dp_shard: int = 1,
     tp: int = 1,
+    ep: int = 1,
     micro_batch: int,
     seq_len: int,
     activation_checkpointing: bool = False,
     dtype: str = "bfloat16",
 ) -> TracedStep:
     """The peak of one rank over one steady-state step (AdamW's moments exist) of
-    `args` laid out as dp_replicate x dp_shard x tp (no pipeline, no context parallelism: the caller
-    passes one stage's layers and each rank's slice of the sequence)."""
+    `args` laid out as dp_replicate x dp_shard x tp, with ep of the dp_shard ranks splitting a mixture
+    of experts' experts (no pipeline, no context parallelism: the caller passes one stage's layers and
+    each rank's slice of the sequence). Under expert parallelism the rows are spread evenly over the
+    ranks and experts (fake tensors hold no routing: parallel/expert_parallel.py), as in the hand model."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -97,7 +100,7 @@ def trace_step(
     from phalanx.parallel.mesh import Layout, build_mesh
     from phalanx.train.optim import build_optimizer, clip_gradients
 
-    layout = Layout(dp_replicate, dp_shard, tp)
+    layout = Layout(dp_replicate, dp_shard, tp, ep=ep)
     if layout.dp_replicate > 1 and not uses_fsdp(layout):
         raise PhalanxError(
             "the traced plan covers FSDP/HSDP and TP layouts; DDP keeps real gradient buckets "
