@@ -3,6 +3,8 @@ experts with its 8 experts split over 2 ranks trains to one process's losses, re
 halt or a killed rank, and its checkpoints reshard to one process; what it cannot run is one line."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,25 @@ def test_what_expert_parallelism_cannot_run_is_one_line(moe_args, extra, error):
     assert proc.returncode == 2 and errors == [error], proc.stderr
 
 
+def mixtral_checkpoint(tmp_path: Path, n_experts: int):
+    """(its ModelArgs, the folder): a tiny Mixtral made and saved by transformers."""
+    import torch
+    import transformers
+
+    from phalanx.models.decoder import ModelArgs
+    from phalanx.models.families import hf_config
+
+    args = ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64,
+        family="mixtral", n_experts=n_experts, n_experts_per_token=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**json.loads(json.dumps(hf_config(args, 0, 1, torch.float32))))
+    checkpoint = tmp_path / "mixtral"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    return args, checkpoint
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "parallel, nproc",
@@ -140,23 +161,29 @@ def test_a_pretrained_mixture_of_experts_loads_each_ranks_experts(tmp_path, para
     (FSDP's shards of whole experts; expert parallelism's halves; on 4 ranks those halves sharded again
     over the 2 ranks holding each, one expert a rank): together they hold every tensor exactly."""
     import torch
-    import transformers
 
-    from phalanx.models.decoder import ModelArgs
-    from phalanx.models.families import expert_slice, hf_config, hf_names
+    from phalanx.models.families import expert_slice, hf_names
     from tests.hf_checkpoints import hf_tensors
     from tests.train.test_train_pretrained import loaded_under
 
-    args = ModelArgs(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64,
-        family="mixtral", n_experts=4, n_experts_per_token=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**json.loads(json.dumps(hf_config(args, 0, 1, torch.float32))))
-    checkpoint = tmp_path / "mixtral"
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    args, checkpoint = mixtral_checkpoint(tmp_path, 4)
     (tmp_path / "params").mkdir()
     params = loaded_under(tmp_path / "params", checkpoint, parallel, nproc)
     expected = hf_tensors(checkpoint)
     for ours, theirs in hf_names(args).items():
         assert torch.equal(expert_slice(params, ours), expected[theirs]), ours
+
+
+@pytest.mark.slow
+def test_a_pretrained_mixture_of_experts_split_within_its_experts_is_refused(tmp_path):
+    """ep=2 on 4 ranks with 2 experts: each ep rank's one expert is split along its hidden dimension
+    between the 2 ranks holding it, which a checkpoint's whole experts are not loaded into."""
+    from tests.train.test_train_pretrained import WORKER
+
+    _, checkpoint = mixtral_checkpoint(tmp_path, 2)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    parallel = json.dumps({"strategy": "fsdp", "ep": 2})
+    command += [str(WORKER), parallel, str(checkpoint), str(tmp_path / "params.pt")]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "layers.0.feed_forward.w1 is split within its experts on this layout" in result.stderr, result.stderr[-3000:]
