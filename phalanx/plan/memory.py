@@ -218,13 +218,13 @@ class _StepWalk:
         # Expert parallelism: FSDP shards each rank's n_experts / ep experts over the ranks holding the
         # same ones, by expert where they divide evenly, else along dim 1 (parallel/expert_parallel.py).
         replicas = self.expert_replicas = max(1, n // w.ep)
-        expert_padded = (
-            lambda s: (  # noqa: E731
-                s[0] // w.ep * math.prod(s[1:])
-                if s[0] // w.ep % replicas == 0
-                else s[0] // w.ep * math.ceil(s[1] / replicas) * replicas * math.prod(s[2:])
-            )
-        )
+
+        def expert_padded(shape) -> int:  # one of the rank's 1/ep stacked expert weights, as FSDP pads it
+            local = shape[0] // w.ep
+            if local % replicas == 0:
+                return local * math.prod(shape[1:])
+            return local * math.ceil(shape[1] / replicas) * replicas * math.prod(shape[2:])
+
         lora = w.lora_rank > 0
         # Each layer's kind (one for a dense model; dense and MoE blocks for a mixture of experts).
         self.layers = block_kinds(a, w.tp)
@@ -385,7 +385,7 @@ class _StepWalk:
         # also reduces them, so the first and the last show the peak of any number.
         for micro in sorted({0, w.accumulation - 1}):
             self._forward(micro)
-            self._backward(micro, last=micro == w.accumulation - 1)
+            self._backward(last=micro == w.accumulation - 1)
         self._optimizer_step()
         return MemoryEstimate(
             peak_bytes=live.peak,
@@ -460,7 +460,7 @@ class _StepWalk:
         if w.activation_checkpointing:  # leaving autocast: copies nobody saved are freed
             live.free(WEIGHT_COPIES, cached)
 
-    def _backward(self, micro: int, last: bool) -> None:
+    def _backward(self, last: bool) -> None:
         w, live, a = self.w, self.live, self.w.args
         output_copy = self.autocast_copies()[1]
         d, f, v = a.dim, a.ffn_dim // w.tp, a.vocab_size // w.tp
