@@ -5,7 +5,9 @@ context 256, batch 16, tied embeddings. phalanx uses SwiGLU with ffn 1024 and th
 MLP (384 x 1536): three 384x1024 matrices against two 384x1536 ones, so parameters and matmul FLOPs per
 token match. Both take the same random tokens, gradient clipping at 1.0 and AdamW (the reference with
 torch's default, phalanx with build_optimizer). Each mode's steps alternate between the two systems in
-rounds, so a shared machine's load falls on both alike.
+rounds, so a shared machine's load falls on both alike. phalanx's step, like train_step, sets glibc's
+malloc to keep freed memory (keep_freed_memory); that setting is the process's, so the minimal GPT's
+steps after the first run with it too (bench/cpu_train_malloc_ab.py measures it on and off).
 
     .venv/bin/python bench/cpu_train_vs_minimal_gpt.py --modes fp32,bf16,compile --rounds 5
     .venv/bin/python bench/cpu_train_vs_minimal_gpt.py --profile fp32   # top ops of phalanx's step
@@ -28,6 +30,7 @@ from phalanx.models.flops import flops_per_token
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.distributed import DistEnv
 from phalanx.train.optim import build_optimizer, clip_gradients
+from phalanx.train.step import keep_freed_memory
 
 LAYERS, DIM, HEADS, FFN, CONTEXT, BATCH, VOCAB = 6, 384, 6, 1024, 256, 16, 4096
 
@@ -98,7 +101,9 @@ def make_phalanx(compiled: bool):
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(inputs, targets, bf16):
-        # The trainer's step body: autocast forward, float32 loss, clipping, AdamW.
+        # The trainer's step body (train_step): malloc keeping freed memory, autocast forward, float32
+        # loss, clipping, AdamW.
+        keep_freed_memory()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
