@@ -26,6 +26,15 @@ def phalanx(
     return proc
 
 
+def launched(script: Path, *args: str, nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a test's worker script under torch's launcher on `nproc` local ranks (alone in this process for
+    one). --standalone: a free port of its own, not the default 29500 another launch may still hold."""
+    command = [sys.executable, str(script), *args]
+    if nproc > 1:
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout)
+
+
 def train_json(*args: str) -> dict:
     proc = phalanx("train", *args, "--json")
     return json.loads(proc.stdout.strip().splitlines()[-1])

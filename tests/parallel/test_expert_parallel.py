@@ -3,14 +3,12 @@ experts with its 8 experts split over 2 ranks trains to one process's losses, re
 halt or a killed rank, and its checkpoints reshard to one process; what it cannot run is one line."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from phalanx.run.records import read_events
-from tests.helpers import losses_by_step, phalanx, train_json
+from tests.helpers import launched, losses_by_step, phalanx, train_json
 
 
 @pytest.fixture
@@ -181,9 +179,7 @@ def test_a_pretrained_mixture_of_experts_split_within_its_experts_is_refused(tmp
     from tests.train.test_train_pretrained import WORKER
 
     _, checkpoint = mixtral_checkpoint(tmp_path, 2)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     parallel = json.dumps({"strategy": "fsdp", "ep": 2})
-    command += [str(WORKER), parallel, str(checkpoint), str(tmp_path / "params.pt")]
-    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    result = launched(WORKER, parallel, str(checkpoint), str(tmp_path / "params.pt"), nproc=4)
     assert result.returncode != 0
     assert "layers.0.feed_forward.w1 is split within its experts on this layout" in result.stderr, result.stderr[-3000:]

@@ -4,12 +4,12 @@ between steps, not the 1/2 that expert parallelism alone would leave, and trains
 ranks does (the same micro-batches, so the same load-balancing losses)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import launched
 
 WORKER = Path(__file__).with_name("layout_worker.py")
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -20,9 +20,7 @@ def trained(tmp_path: Path, parallel: dict, n_experts: int) -> list[dict]:
     numel of its local shards."""
     out = tmp_path / f"{'-'.join(f'{k}{v}' for k, v in parallel.items())}-{n_experts}.pt"
     model = {"family": "mixtral", "n_experts": n_experts, "n_experts_per_token": 2, "router_aux_loss_coef": 0.02}
-    command = [sys.executable, str(WORKER), json.dumps(parallel), str(out), json.dumps({"model": model})]
-    command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    result = launched(WORKER, json.dumps(parallel), str(out), json.dumps({"model": model}), nproc=4)
     assert result.returncode == 0, f"{parallel} exited {result.returncode}:\n{result.stderr[-4000:]}"
     return [torch.load(f"{out}.{rank}") for rank in range(4)]
 

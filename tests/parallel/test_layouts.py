@@ -4,8 +4,6 @@ materialised shard by shard), and training losses that match one process through
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ import torch
 from phalanx.config.schema import ParallelSection
 from phalanx.errors import PhalanxError
 from phalanx.parallel.mesh import Layout, resolve_layout
-from tests.helpers import losses_by_step, train_json
+from tests.helpers import launched, losses_by_step, train_json
 
 WORKER = Path(__file__).with_name("layout_worker.py")
 
@@ -53,11 +51,7 @@ def test_layouts_that_do_not_fit_are_named(given, world, message):
 
 def build(tmp_path: Path, parallel: dict, nproc: int) -> dict[str, torch.Tensor]:
     out = tmp_path / f"params-{len(list(tmp_path.iterdir()))}.pt"
-    command = [sys.executable, str(WORKER), json.dumps(parallel), str(out)]
-    if nproc > 1:
-        # --standalone: a free port of its own, not the default 29500 another launch may still hold
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    result = launched(WORKER, json.dumps(parallel), str(out), nproc=nproc)
     assert result.returncode == 0, f"{parallel} on {nproc} ranks exited {result.returncode}:\n{result.stderr[-4000:]}"
     merged: dict[str, torch.Tensor] = {}
     for rank in range(nproc):  # every rank's share: pipeline stages hold different parameters

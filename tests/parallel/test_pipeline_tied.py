@@ -7,8 +7,6 @@ layout worker trains a few steps under each layout, and the real launcher trains
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from phalanx.parallel.pipeline import (
     counted_in_grad_norm,
     split_layers,
 )
-from tests.helpers import losses_by_step, read_metrics, train_json
+from tests.helpers import launched, losses_by_step, read_metrics, train_json
 
 ARGS = ModelArgs(
     dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16, tie_embeddings=True
@@ -72,10 +70,7 @@ def trained(tmp_path: Path, parallel: dict, nproc: int, schedule: str = "1f1b") 
     """Every rank's parameters before and after four steps of the tied worker model, its losses and norms."""
     out = tmp_path / f"tied-{len(list(tmp_path.iterdir()))}.pt"
     options = {"model": {"tie_embeddings": True}, "steps": 4, "schedule": schedule}
-    command = [sys.executable, str(WORKER), json.dumps(parallel), str(out), json.dumps(options)]
-    if nproc > 1:
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    result = launched(WORKER, json.dumps(parallel), str(out), json.dumps(options), nproc=nproc)
     assert result.returncode == 0, f"{parallel} on {nproc} ranks exited {result.returncode}:\n{result.stderr[-4000:]}"
     return [torch.load(f"{out}.{rank}") for rank in range(nproc)]
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from phalanx.data.tokenizer import train_tokenizer
 from phalanx.models.families import hf_names
 from phalanx.models.from_config import pretrained_args
 from phalanx.run.layout import RunDir
-from tests.helpers import losses_by_step, phalanx, train_json
+from tests.helpers import launched, losses_by_step, phalanx, train_json
 from tests.hf_checkpoints import hf_tensors, make_llama_checkpoint
 
 WORKER = Path(__file__).with_name("pretrained_worker.py")
@@ -53,10 +51,7 @@ def pretrained_run(tiny_args: list[str], checkpoint: Path) -> list[str]:
 def loaded_under(tmp_path: Path, checkpoint: Path, parallel: dict, nproc: int) -> dict[str, torch.Tensor]:
     """Every rank's parameters after loading the checkpoint under `parallel`, merged."""
     out = tmp_path / f"params-{len(list(tmp_path.iterdir()))}.pt"
-    command = [sys.executable, str(WORKER), json.dumps(parallel), str(checkpoint), str(out)]
-    if nproc > 1:
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    result = launched(WORKER, json.dumps(parallel), str(checkpoint), str(out), nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     merged = {}
     for rank in range(nproc):
