@@ -22,7 +22,7 @@ def trained(tmp_path: Path, parallel: dict, n_experts: int) -> list[dict]:
     model = {"family": "mixtral", "n_experts": n_experts, "n_experts_per_token": 2, "router_aux_loss_coef": 0.02}
     result = launched(WORKER, json.dumps(parallel), str(out), json.dumps({"model": model}), nproc=4)
     assert result.returncode == 0, f"{parallel} exited {result.returncode}:\n{result.stderr[-4000:]}"
-    return [torch.load(f"{out}.{rank}") for rank in range(4)]
+    return [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(4)]
 
 
 @pytest.mark.slow
