@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.run.layout import RunDir
 from phalanx.run.records import read_events
 from tests.conftest import TINY
 from tests.helpers import free_port, losses_by_step, wait_for_port
@@ -61,15 +62,17 @@ def test_losing_a_node_continues_on_the_survivor(corpus, runs_root):
     # the store lives with the survivor (node 0, whose address is the endpoint).
     wait_for_port(port)
     doomed = subprocess.Popen([*node, "--node-rank", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = runs_root / "drill-node-loss" / "metrics.jsonl"
+    # Kill once the step-20 checkpoint is saved, not at a step count: saves finish in the background, and
+    # on a loaded machine the step-20 save was still in flight at step 25 (the survivor then resumed at 10).
+    run_dir = RunDir(runs_root / "drill-node-loss")
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        if metrics.is_file() and metrics.read_text().count('"loss"') >= 25:
+        if any(e["kind"] == "checkpoint_saved" and e["step"] >= 20 for e in read_events(run_dir.path)):
             break
         time.sleep(0.2)
     else:
         survivor.kill(), doomed.kill()
-        pytest.fail("the two-node run never reached step 25")
+        pytest.fail("the two-node run never saved its step-20 checkpoint")
     for pid in [doomed.pid, *children(doomed.pid)]:  # the node goes: its agent and its rank
         os.kill(pid, signal.SIGKILL)
     doomed.wait()
