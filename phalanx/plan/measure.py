@@ -72,7 +72,7 @@ def measure(
     cdtype = compute_dtype(dtype, env.device)
     clean = False
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as building:
             with record_function(BUILD):
                 torch.manual_seed(0)
                 layout = None
@@ -106,6 +106,10 @@ def measure(
                     )
                 optimizer = build_optimizer(model, train)
                 params = [p for p in model.parameters() if p.requires_grad]
+        # The steps are traced apart, with each op's inputs: the last use of a buffer whose free no
+        # profiled thread saw (see _peak_live_bytes). Not while building: recording inputs holds weak
+        # references to tensors, and materialising the model swaps parameters, which refuses those.
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as stepping:
             fsdp = env.distributed and (strategy == "fsdp" if layout is None else uses_fsdp(layout))
             # As the trainer: under FSDP the mixed-precision policy casts parameters, elsewhere autocast does.
             autocast = (
@@ -130,7 +134,7 @@ def measure(
                     )
             del model, optimizer, params, micro_batches
             gc.collect()  # everything built above is freed inside the trace
-        peak, unpaired = _peak_live_bytes(prof.profiler.kineto_results)
+        peak, unpaired = _peak_live_bytes([building.profiler.kineto_results, stepping.profiler.kineto_results])
         clean = True
     finally:
         teardown(clean)
@@ -160,7 +164,7 @@ def _random_batch(vocab: int, batch: int, seq_len: int, generator: torch.Generat
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _peak_live_bytes(results) -> tuple[int, int]:
+def _peak_live_bytes(traces) -> tuple[int, int]:
     """The highest live tensor bytes during the steps, and the bytes never seen freed.
 
     Allocations and frees are paired by address. The profiler only sees frees made on the profiled
@@ -168,12 +172,15 @@ def _peak_live_bytes(results) -> tuple[int, int]:
     a time that varies from run to run: the copies gloo makes inside a collective (all-gather into a
     temporary, reduce-scatter of a clone), DDP's start-up broadcast of the weights. So a buffer made
     inside a collective counts until the collective returns (or its free, if seen sooner), one made
-    while building the model and never seen freed counts until the steps start, and anything else
-    never seen freed counts to the end (reported as `unpaired`).
+    while building the model and never seen freed counts until the steps start, one used by an op
+    afterwards counts until its last use (a functional collective's output or input, such as the
+    gathered logits under tensor parallelism, is freed wherever the last reference drops), and anything
+    else never seen freed counts to the end (reported as `unpaired`).
     """
     by_address: dict[int, list[tuple[int, int, int | None]]] = {}  # (when, +bytes or -1, collective end)
+    last_use: dict[int, int] = {}  # address -> the end of the last op that took a tensor stored there
     steps_start = None
-    stack = [(node, None) for node in results.experimental_event_tree()]
+    stack = [(node, None) for results in traces for node in results.experimental_event_tree()]
     while stack:
         node, collective_end = stack.pop()
         if collective_end is None and node.name.startswith("c10d::"):
@@ -185,8 +192,10 @@ def _peak_live_bytes(results) -> tuple[int, int]:
             by_address.setdefault(fields.ptr, []).append((node.start_time_ns, size, collective_end))
         elif node.name == STEPS:
             steps_start = node.start_time_ns
+        for address in _input_addresses(getattr(fields, "inputs", ())):
+            last_use[address] = max(last_use.get(address, 0), node.end_time_ns)
     timeline, unpaired = [], 0
-    for events in by_address.values():
+    for address, events in by_address.items():
         events.sort(key=lambda e: e[0])
         for k, (when, size, collective_end) in enumerate(events):
             if size < 0:
@@ -197,6 +206,8 @@ def _peak_live_bytes(results) -> tuple[int, int]:
                 freed = collective_end if freed is None else min(freed, collective_end)
             elif freed is None and when < steps_start:
                 freed = steps_start
+            elif freed is None and last_use.get(address, 0) > when:
+                freed = last_use[address]
             elif freed is None:
                 unpaired += size
             timeline.append((when, size))
@@ -209,6 +220,17 @@ def _peak_live_bytes(results) -> tuple[int, int]:
         if when >= steps_start:
             peak = max(peak, live)
     return peak, unpaired
+
+
+def _input_addresses(inputs) -> list[int]:
+    """The storage addresses of an op's tensor inputs (record_shapes' metadata; a list input is a tensor list)."""
+    found = []
+    for value in inputs:
+        for item in value if isinstance(value, list) else [value]:
+            address = getattr(item, "storage_data_ptr", None)
+            if address:
+                found.append(address)
+    return found
 
 
 def _rss_bytes(peak: bool = False) -> int:
