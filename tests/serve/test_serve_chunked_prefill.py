@@ -254,3 +254,67 @@ def test_a_chunked_prompt_that_fills_the_context_under_a_grammar_with_logprobs(m
     assert len(full.logprobs) == 1 and len(full.logprobs[0]["top_logprobs"]) == 3
     assert shaped[2] == "stop" and json.loads(shaped[0]) in ("yes", "no")
     assert shaped == expected
+
+
+# A chat's next turn: the last prompt, its reply and a new message (270 tokens: 8 whole chunks and 14).
+NEXT_TURN = LONG + torch.randint(3, ARGS.vocab_size, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+@pytest.mark.parametrize("fallback,dtype", [(False, "f32"), (True, "bf16")], ids=["batched-f32", "one-at-a-time-bf16"])
+def test_a_long_prompt_skips_the_whole_chunks_it_shares_with_the_last_and_gets_its_tokens_alone(
+    request, tokenizer, fallback, dtype
+):
+    """The chunk cache still holds the last long prompt's keys and values: a prompt beginning with the same
+    whole chunks starts after them, and its tokens and log-probabilities are exactly those of a fresh
+    server's (the skipped chunks' passes would have been the very same)."""
+    model = request.getfixturevalue({"f32": "model", "bf16": "bf16_model"}[dtype])
+    options = SamplingOptions(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [alone(model, tokenizer, ids, options, fallback) for ids in (LONG, NEXT_TURN, LONG)]
+    e = engine(model, tokenizer, 2, fallback)
+    e.start()
+    try:
+        got = [output(e.submit(LONG, options, top_logprobs=2))]
+        assert e.reused_prompt_tokens == 0
+        got.append(output(e.submit(NEXT_TURN, options, top_logprobs=2)))
+        assert e.reused_prompt_tokens == 224  # 7 whole chunks of LONG's 230 tokens
+        got.append(output(e.submit(LONG, options, top_logprobs=2)))  # the same prompt: all but its last chunk
+        assert e.reused_prompt_tokens == 224 + 224
+    finally:
+        e.stop()
+    assert got == expected
+
+
+def test_a_scored_prompt_and_a_prompt_after_a_cancelled_one_reuse_only_what_is_there(model, tokenizer):
+    """A prompt asking for its own log-probabilities needs every chunk's hidden rows, so it skips none; a
+    long prompt cancelled mid-prefill leaves only its finished chunks to share."""
+    options = SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True)
+    e = engine(model, tokenizer, 2)
+    e.start()
+    try:
+        output(e.submit(LONG, options))
+        scored = e.submit(NEXT_TURN, options, prompt_logprobs=1)
+        scored.text()
+        assert e.reused_prompt_tokens == 0 and len(scored.prompt_logprobs) == len(NEXT_TURN) - 1
+    finally:
+        e.stop()
+    expected = alone(model, tokenizer, NEXT_TURN, options, chunk=1)
+    times = TokenTimes()
+    e = engine(model, tokenizer, 2, chunk=1, observer=times)  # a chunk per token
+    e.start()
+    try:
+        runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=300, ignore_eos=True))
+        pieces = iter(runner)
+        next(pieces)
+        doomed = e.submit(LONG, options)
+        seen = len(times.times)
+        while len(times.times) < seen + 5:  # a few boundaries in: some of its chunks are done
+            time.sleep(0.002)
+        doomed.cancel()
+        doomed.text()
+        runner.cancel()
+        list(pieces)
+        got = output(e.submit(NEXT_TURN, options, top_logprobs=2))
+    finally:
+        e.stop()
+    assert 5 <= e.reused_prompt_tokens < len(LONG)
+    assert got == expected

@@ -182,6 +182,10 @@ class Engine(ScheduledEngine):
         self._chunk_cache = KVCache(args, 1, self.context, dtype=cache_dtype, device=self.device)
         self._chunking: deque[_Running] = deque()  # joined, prompt not yet prefilled; the first is chunking
         self._chunked_to = 0  # where the first one's next chunk starts
+        # The tokens whose keys and values the chunk cache holds, from position 0: a later long prompt that
+        # begins with the same whole chunks (a chat's next turn resends the conversation) skips them.
+        self._chunk_cache_tokens: list[int] = []
+        self.reused_prompt_tokens = 0  # prompt tokens so skipped, in all
         self._rows: dict[int, int] = {}  # slot -> its cache row; running requests hold rows 0..n-1
 
     # ---- the caller's side ----
@@ -295,11 +299,14 @@ class Engine(ScheduledEngine):
         if run.request.stream.cancelled:  # not another chunk for a client that has gone
             return self.scheduler.finish(run, "cancelled")
         prompt = run.request.prompt_ids
+        if self._chunked_to == 0:
+            run.prefill_started_at = time.perf_counter()
+            self._chunked_to = self._reusable_chunks(run)
+            self.reused_prompt_tokens += self._chunked_to
         start = self._chunked_to
         end = dict(chunk_plan(len(prompt), self.prefill_chunk))[start]
-        if start == 0:
-            run.prefill_started_at = time.perf_counter()
         keep = None if run.prompt_scores is None else KeepRows([scored_span(start, end, len(prompt))])
+        self._chunk_cache_tokens = prompt[:start]  # a pass that fails midway leaves what it wrote unknown
         try:
             logits_V = prefill_chunk(self.model, prompt[start:end], self._chunk_cache, start, keep)
             if keep is not None:
@@ -308,6 +315,7 @@ class Engine(ScheduledEngine):
             log.exception("prefill failed")
             return self.scheduler.finish(run, "error", f"generation failed: {e}")
         self._chunked_to = end
+        self._chunk_cache_tokens = prompt[:end]
         if end < len(prompt):
             return
         self._chunking.popleft()
@@ -328,6 +336,19 @@ class Engine(ScheduledEngine):
         except Exception as e:
             log.exception("first token failed")
             self.scheduler.finish(run, "error", f"generation failed: {e}")
+
+    def _reusable_chunks(self, run: _Running) -> int:
+        """Where this long prompt's chunking may start: after the whole chunks it shares, token for token,
+        with what the chunk cache holds, short of its last chunk (whose pass gives the first token). Those
+        keys and values came from the very passes this prompt would make (chunks are cut from position 0
+        at fixed sizes, and a chunk's pass depends only on the tokens up to its end), so skipping them
+        changes no bit. A scored prompt needs every chunk's hidden rows, so it skips none."""
+        if run.prompt_scores is not None:
+            return 0
+        prompt, cached = run.request.prompt_ids, self._chunk_cache_tokens
+        common = next((i for i, (a, b) in enumerate(zip(prompt, cached)) if a != b), min(len(prompt), len(cached)))
+        last_chunk = chunk_plan(len(prompt), self.prefill_chunk)[-1][0]
+        return min(common // self.prefill_chunk * self.prefill_chunk, last_chunk)
 
     def _prefill(self, group: list[_Running], keep: KeepRows | None) -> torch.Tensor:
         """Each run's prompt into its cache row; the logits (n, V) of each prompt's last token (and the
