@@ -17,7 +17,9 @@ from a cached prefix), greedy, `max_tokens` new tokens, at each stream count. Ro
 the order of the servers, so that the load other work puts on a shared machine falls on both alike.
 Reported per stream count: generated tokens/s of all streams (from the first request to the last
 token; the tokens each server says it generated) and the median time to the first token, as the median
-(range) over rounds, and the median of the per-round ratios.
+(range) over rounds, and the median of the per-round ratios. Then a conversation's two turns, one
+request at a time: a fresh prompt of about 800 tokens, and the same prompt with a new message after it,
+as a chat's next turn resends the conversation; the median time to the first token of each.
 
 Usage: .venv/bin/python bench/serve_vs_llama_server.py [--rounds 2] [--streams 1,4,16] [--new-tokens 128]
                                                        [--threads 1] [--pairs f32,bf16] [--peer DIR]
@@ -156,11 +158,11 @@ def llama_server_command(binary: Path, gguf: Path, threads: int, port: int, cont
     ]
 
 
-def one_stream(url: str, new_tokens: int, result: dict) -> None:
+def one_stream(url: str, new_tokens: int, result: dict, prompt: str | None = None) -> None:
     """One streamed /v1/completions request: its time to the first text and the tokens it generated."""
     body = {
         "model": "bench",
-        "prompt": f"{next(REQUEST_NUMBERS)}. {PROMPT}",
+        "prompt": prompt or f"{next(REQUEST_NUMBERS)}. {PROMPT}",
         "max_tokens": new_tokens,
         "temperature": 0,
         "stream": True,
@@ -205,10 +207,25 @@ def serve_and_measure(command: list[str], port: int, log: Path, threads: int, le
     proc = start(command, log, url, env)
     try:
         measure(url, 1, 8)  # warm-up
-        return {streams: measure(url, streams, new_tokens) for streams in levels}
+        found = {streams: measure(url, streams, new_tokens) for streams in levels}
+        found["chat"] = chat_turns(url)
+        return found
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def chat_turns(url: str) -> dict:
+    """A conversation's first turn (a fresh prompt of about 800 tokens) and its next (the first turn's prompt
+    again with a new message after it), one at a time: each one's time to the first token. llama-server
+    reuses its slot's cached prefix; phalanx's engine skips the whole prefill chunks the prompts share."""
+    first = f"{next(REQUEST_NUMBERS)}. " + " ".join([PROMPT] * 16)
+    turns = {}
+    for name, prompt in (("first", first), ("next", first + "\nJULIET: Romeo, Romeo, wherefore art thou Romeo?")):
+        result: dict = {}
+        one_stream(url, 8, result, prompt)
+        turns[f"{name}_ttft_s"] = result["ttft"]
+    return turns
 
 
 def summary(rounds: list[dict]) -> str:
@@ -241,7 +258,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         export, ggufs = build_models(Path(tmp))
-        context = 512  # the prompt and 128 new tokens fit; phalanx sizes its slots by the model's context
+        context = 2048  # each llama-server slot's, as phalanx sizes its slots: the model's context
         for round_no in range(args.rounds):
             found: dict[str, dict] = {}
             for pair in pairs:
@@ -273,6 +290,19 @@ def main() -> None:
                 f"| {streams} | {dtype} / {gguf} | {summary(ours)} | {summary(peer)} | {ratio:.2f}x | "
                 f"{ttft[0]:.3f} s | {ttft[1]:.3f} s |"
             )
+    lines += [
+        "",
+        "| pair | phalanx: first turn / next turn TTFT | llama-server: first turn / next turn TTFT |",
+        "|---|---:|---:|",
+    ]
+    for pair in pairs:
+        dtype, gguf = PAIRS[pair]
+        cells = []
+        for name in (f"phalanx {dtype}", f"llama-server {gguf}"):
+            turns = [r[name]["chat"] for r in report["rounds"]]
+            first, following = (statistics.median(t[f"{k}_ttft_s"] for t in turns) for k in ("first", "next"))
+            cells.append(f"{first:.3f} / {following:.3f} s")
+        lines.append(f"| {dtype} / {gguf} | {cells[0]} | {cells[1]} |")
     table = "\n".join(lines)
     print(f"{report['machine']}; {report['llama_server']}; {args.threads} thread(s), {SLOTS} slots")
     print(table)
