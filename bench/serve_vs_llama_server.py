@@ -50,8 +50,8 @@ PROMPT = (
     "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
     "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief."
 )
-# Every prompt starts differently: llama-server keeps each slot's last prompt cached and would answer a
-# repeated one with no prefill at all, which a chat's new turn does not get either.
+# Every prompt of the stream measurements starts differently: llama-server keeps each slot's last prompt
+# cached and would answer a repeated one with no prefill at all. chat_turns measures that reuse apart.
 REQUEST_NUMBERS = itertools.count(1)
 PAIRS = {"f32": ("float32", "f32"), "bf16": ("bfloat16", "f16")}  # phalanx --dtype, GGUF type
 
