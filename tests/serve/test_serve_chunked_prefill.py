@@ -186,31 +186,27 @@ def test_cancelling_a_long_prompt_mid_prefill_frees_its_slot_and_the_next_is_unc
     options = SamplingOptions(temperature=0, max_tokens=8, ignore_eos=True)
     other = LONG[::-1]
     expected = alone(model, tokenizer, other, options, chunk=1)
-    e = engine(model, tokenizer, 2, chunk=1, observer=TokenTimes())  # a chunk per token: a long prefill to cut
+    times = TokenTimes()
+    e = engine(model, tokenizer, 2, chunk=1, observer=times)  # a chunk per token: a long prefill to cut
     e.start()
     try:
-        doomed = cancel_long_mid_prefill(e, options)
+        runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=300, ignore_eos=True))
+        pieces = iter(runner)
+        next(pieces)
+        doomed = e.submit(LONG, options)
+        seen = len(times.times)
+        while len(times.times) < seen + 5:  # a few boundaries in: some of its chunks are done
+            time.sleep(0.002)
+        doomed.cancel()
         assert doomed.text() == "" and doomed.finish.reason == "cancelled"
         assert doomed.finish.completion_tokens == 0 and doomed.finish.first_token_at is None
-        assert e.active == 1  # its slot is free again, the runner's is not
+        assert e.active == 1  # its slot is free again
+        runner.cancel()
+        list(pieces)
         got = output(e.submit(other, options, top_logprobs=2))  # the chunk cache starts over for it
     finally:
         e.stop()
     assert got == expected
-
-
-def cancel_long_mid_prefill(e: Engine, options: SamplingOptions):
-    """LONG cancelled a few chunk boundaries into its prefill, beside a runner that keeps decoding."""
-    times = e.observer
-    runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=300, ignore_eos=True))
-    next(iter(runner))
-    doomed = e.submit(LONG, options)
-    seen = len(times.times)
-    while len(times.times) < seen + 5:  # a few boundaries in: some of its chunks are done
-        time.sleep(0.002)
-    doomed.cancel()
-    doomed.text()
-    return doomed
 
 
 def test_a_prompt_holds_its_slot_while_it_is_prefilled_chunk_by_chunk(model, tokenizer):
@@ -302,10 +298,21 @@ def test_a_scored_prompt_and_a_prompt_after_a_cancelled_one_reuse_only_what_is_t
     finally:
         e.stop()
     expected = alone(model, tokenizer, NEXT_TURN, options, chunk=1)
-    e = engine(model, tokenizer, 2, chunk=1, observer=TokenTimes())  # a chunk per token
+    times = TokenTimes()
+    e = engine(model, tokenizer, 2, chunk=1, observer=times)  # a chunk per token
     e.start()
     try:
-        cancel_long_mid_prefill(e, options)
+        runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=300, ignore_eos=True))
+        pieces = iter(runner)
+        next(pieces)
+        doomed = e.submit(LONG, options)
+        seen = len(times.times)
+        while len(times.times) < seen + 5:  # a few boundaries in: some of its chunks are done
+            time.sleep(0.002)
+        doomed.cancel()
+        doomed.text()
+        runner.cancel()
+        list(pieces)
         got = output(e.submit(NEXT_TURN, options, top_logprobs=2))
     finally:
         e.stop()
