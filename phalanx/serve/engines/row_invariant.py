@@ -11,14 +11,23 @@ product, summed in a fixed order (element-wise, so row-invariant). At M = 16 it 
 than MKL here, and as fast at M = 1.
 
 The packed copy is taken once, when the engine starts: serving never changes weights. It doubles the
-memory of the linear weights (the plain ones stay: other readers of the model use them).
+memory of the linear weights (the plain ones stay: other readers of the model use them). A lone row, the
+one-stream decode step, goes through a hand-written kernel instead (one_row.py) for each weight shape
+where it is proven to give oneDNN's very bits, since oneDNN reads the weights slowly at one row.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from phalanx.serve.engines.one_row import BLOCK, one_row_available, one_row_linear, pack_panels
+
+log = logging.getLogger("phalanx.serve")
 
 MAX_CHUNK = 1024  # the longest reduction oneDNN kept row-invariant (1152 and above were not)
 _packed_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # None on a build without oneDNN
@@ -53,18 +62,39 @@ class RowInvariantLinear(nn.Module):
                 for p in self.weight.detach().split(size, dim=1)
             ]
         self._dtype = self.weight.dtype
+        self._panels: list[torch.Tensor] | None = None  # the one-row kernel's weights, where it is used
+        self._block = BLOCK
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is not self._dtype or x.device.type != "cpu":  # cast or moved since: the plain path
             return F.linear(x, self.weight, self.bias)
-        if len(self._packed) == 1:  # the common case, kept to one call: at one row the overhead shows
-            out = _packed_linear(x, self._packed[0], None, "none", [], "")
+        if self._panels is not None and x.numel() == self.in_features:  # one row: the faster kernel, same bits
+            row = x.reshape(1, self.in_features)
+            out = self._by_chunk(
+                row, lambda part, i: one_row_linear(part, self._panels[i], self.out_features, self._block)
+            )
+            out = out.view(*x.shape[:-1], self.out_features)
         else:
-            out = None
-            for part, packed in zip(x.split(self._sizes, dim=-1), self._packed):
-                y = _packed_linear(part.contiguous(), packed, None, "none", [], "")
-                out = y if out is None else out + y
+            out = self._by_chunk(x, lambda part, i: _packed_linear(part, self._packed[i], None, "none", [], ""))
         return out if self.bias is None else out + self.bias
+
+    def _by_chunk(self, x: torch.Tensor, product: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+        if len(self._sizes) == 1:  # the common case, kept to one call: at one row the overhead shows
+            return product(x.contiguous(), 0)
+        out = None
+        for i, part in enumerate(x.split(self._sizes, dim=-1)):
+            y = product(part.contiguous(), i)
+            out = y if out is None else out + y
+        return out
+
+    def pack_one_row(self, block: int = BLOCK) -> None:
+        """Take the one-row kernel's panels of each chunk (one_row.py); `block` other than oneDNN's is for tests."""
+        with torch.no_grad():
+            self._panels = [pack_panels(p) for p in self.weight.detach().split(self._sizes[0], dim=1)]
+        self._block = block
+
+    def drop_one_row(self) -> None:
+        self._panels = None
 
 
 def make_rows_invariant(model: nn.Module) -> bool:
@@ -86,7 +116,32 @@ def make_rows_invariant(model: nn.Module) -> bool:
     if not invariant:  # measured, not promised by oneDNN: on a CPU where it does not hold, the old layers
         for parent, name, child in swapped:
             setattr(parent, name, child)
-    return invariant
+        return False
+    _choose_one_row_kernel([m for m in model.modules() if isinstance(m, RowInvariantLinear)], weight.dtype)
+    return True
+
+
+def _choose_one_row_kernel(linears: list[RowInvariantLinear], dtype: torch.dtype) -> None:
+    """The one-row kernel for every layer of each weight shape where it gives oneDNN's bits; oneDNN elsewhere.
+    Chosen afresh each time an engine starts on the model (PHALANX_ONE_ROW_KERNEL may have changed since)."""
+    for linear in linears:
+        linear.drop_one_row()
+    if not linears or not one_row_available(dtype):
+        return
+    by_shape: dict[torch.Size, list[RowInvariantLinear]] = {}
+    for linear in linears:
+        by_shape.setdefault(linear.weight.shape, []).append(linear)
+    kept = 0
+    for shape, same in by_shape.items():
+        same[0].pack_one_row()
+        if one_row_agrees(same[0]):
+            for linear in same[1:]:
+                linear.pack_one_row()
+            kept += len(same)
+        else:
+            same[0].drop_one_row()
+            log.info("one-row kernel: oneDNN sums a %s weight otherwise on this CPU; it stays on oneDNN", list(shape))
+    log.info("one-row kernel: %d of %d linear layers", kept, len(linears))
 
 
 def _one_per_shape(swapped: list[tuple[nn.Module, str, nn.Linear]]) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -105,3 +160,13 @@ def rows_agree(linear: RowInvariantLinear, rows: int = 16) -> bool:
     with torch.no_grad():
         full = linear(x)
         return all(torch.equal(linear(x[:width]), full[:width]) for width in (1, 2, 4, 8))
+
+
+def one_row_agrees(linear: RowInvariantLinear, rows: int = 64) -> bool:
+    """Whether each of `rows` random rows, alone through the one-row kernel, gets the bits oneDNN gives it
+    among 16 (a wrong summation order changes a bf16 output only about once in 10^4, hence the many rows)."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, linear.in_features, generator=generator).to(linear._dtype)
+    with torch.no_grad():
+        wide = torch.cat([linear(x[i : i + 16]) for i in range(0, rows, 16)])
+        return all(torch.equal(linear(x[i : i + 1]), wide[i : i + 1]) for i in range(rows))
