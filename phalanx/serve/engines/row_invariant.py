@@ -11,9 +11,9 @@ product, summed in a fixed order (element-wise, so row-invariant). At M = 16 it 
 than MKL here, and as fast at M = 1.
 
 The packed copy is taken once, when the engine starts: serving never changes weights. It doubles the
-memory of the linear weights (the plain ones stay: other readers of the model use them). A lone row, the
-one-stream decode step, goes through a hand-written kernel instead (one_row.py) for each weight shape
-where it is proven to give oneDNN's very bits, since oneDNN reads the weights slowly at one row.
+memory of the linear weights (the plain ones stay: other readers of the model use them). Products of up
+to 16 rows, decode steps, go through a hand-written kernel instead (decode_kernel.py) for each weight
+shape where it is proven to give oneDNN's very bits, since oneDNN reads the weights slowly at those widths.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.serve.engines.one_row import BLOCK, one_row_available, one_row_linear, pack_panels
+from phalanx.serve.engines.decode_kernel import BLOCK, KERNEL_ROWS, decode_kernel_available, pack_panels, panel_linear
 
 log = logging.getLogger("phalanx.serve")
 
@@ -62,21 +62,24 @@ class RowInvariantLinear(nn.Module):
                 for p in self.weight.detach().split(size, dim=1)
             ]
         self._dtype = self.weight.dtype
-        self._panels: list[torch.Tensor] | None = None  # the one-row kernel's weights, where it is used
+        self._panels: list[torch.Tensor] | None = None  # the decode kernel's weights, where it is used
         self._block = BLOCK
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is not self._dtype or x.device.type != "cpu":  # cast or moved since: the plain path
             return F.linear(x, self.weight, self.bias)
-        if self._panels is not None and x.numel() == self.in_features:  # one row: the faster kernel, same bits
-            row = x.reshape(1, self.in_features)
-            out = self._by_chunk(
-                row, lambda part, i: one_row_linear(part, self._panels[i], self.out_features, self._block)
-            )
-            out = out.view(*x.shape[:-1], self.out_features)
+        rows = x.numel() // self.in_features
+        if self._panels is not None and rows <= KERNEL_ROWS:  # a decode step: the faster kernel, same bits
+            out = self._kernel(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
         else:
-            out = self._by_chunk(x, lambda part, i: _packed_linear(part, self._packed[i], None, "none", [], ""))
+            out = self._onednn(x)
         return out if self.bias is None else out + self.bias
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return self._by_chunk(x, lambda part, i: _packed_linear(part, self._packed[i], None, "none", [], ""))
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self._by_chunk(x, lambda part, i: panel_linear(part, self._panels[i], self.out_features, self._block))
 
     def _by_chunk(self, x: torch.Tensor, product: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
         if len(self._sizes) == 1:  # the common case, kept to one call: at one row the overhead shows
@@ -87,13 +90,13 @@ class RowInvariantLinear(nn.Module):
             out = y if out is None else out + y
         return out
 
-    def pack_one_row(self, block: int = BLOCK) -> None:
-        """Take the one-row kernel's panels of each chunk (one_row.py); `block` other than oneDNN's is for tests."""
+    def pack_panels(self, block: int = BLOCK) -> None:
+        """Take the decode kernel's panels of each chunk; a `block` other than oneDNN's is for tests."""
         with torch.no_grad():
             self._panels = [pack_panels(p) for p in self.weight.detach().split(self._sizes[0], dim=1)]
         self._block = block
 
-    def drop_one_row(self) -> None:
+    def drop_panels(self) -> None:
         self._panels = None
 
 
@@ -117,31 +120,31 @@ def make_rows_invariant(model: nn.Module) -> bool:
         for parent, name, child in swapped:
             setattr(parent, name, child)
         return False
-    _choose_one_row_kernel([m for m in model.modules() if isinstance(m, RowInvariantLinear)], weight.dtype)
+    _choose_decode_kernel([m for m in model.modules() if isinstance(m, RowInvariantLinear)], weight.dtype)
     return True
 
 
-def _choose_one_row_kernel(linears: list[RowInvariantLinear], dtype: torch.dtype) -> None:
-    """The one-row kernel for every layer of each weight shape where it gives oneDNN's bits; oneDNN elsewhere.
-    Chosen afresh each time an engine starts on the model (PHALANX_ONE_ROW_KERNEL may have changed since)."""
+def _choose_decode_kernel(linears: list[RowInvariantLinear], dtype: torch.dtype) -> None:
+    """The decode kernel for every layer of each weight shape where it gives oneDNN's bits; oneDNN elsewhere.
+    Chosen afresh each time an engine starts on the model (PHALANX_DECODE_KERNEL may have changed since)."""
     for linear in linears:
-        linear.drop_one_row()
-    if not linears or not one_row_available(dtype):
+        linear.drop_panels()
+    if not linears or not decode_kernel_available(dtype):
         return
     by_shape: dict[torch.Size, list[RowInvariantLinear]] = {}
     for linear in linears:
         by_shape.setdefault(linear.weight.shape, []).append(linear)
     kept = 0
     for shape, same in by_shape.items():
-        same[0].pack_one_row()
-        if one_row_agrees(same[0]):
+        same[0].pack_panels()
+        if panels_agree(same[0]):
             for linear in same[1:]:
-                linear.pack_one_row()
+                linear.pack_panels()
             kept += len(same)
         else:
-            same[0].drop_one_row()
-            log.info("one-row kernel: oneDNN sums a %s weight otherwise on this CPU; it stays on oneDNN", list(shape))
-    log.info("one-row kernel: %d of %d linear layers", kept, len(linears))
+            same[0].drop_panels()
+            log.info("decode kernel: oneDNN sums a %s weight otherwise on this CPU; it stays on oneDNN", list(shape))
+    log.info("decode kernel: %d of %d linear layers", kept, len(linears))
 
 
 def _one_per_shape(swapped: list[tuple[nn.Module, str, nn.Linear]]) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -162,11 +165,15 @@ def rows_agree(linear: RowInvariantLinear, rows: int = 16) -> bool:
         return all(torch.equal(linear(x[:width]), full[:width]) for width in (1, 2, 4, 8))
 
 
-def one_row_agrees(linear: RowInvariantLinear, rows: int = 64) -> bool:
-    """Whether each of `rows` random rows, alone through the one-row kernel, gets the bits oneDNN gives it
-    among 16 (a wrong summation order changes a bf16 output only about once in 10^4, hence the many rows)."""
+def panels_agree(linear: RowInvariantLinear, rows: int = 64) -> bool:
+    """Whether the decode kernel gives each of `rows` random rows, alone, three at a time and sixteen at a time,
+    the bits oneDNN gives it among sixteen (a wrong summation order changes a bf16 output only about once in
+    10^4, hence the many rows)."""
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(rows, linear.in_features, generator=generator).to(linear._dtype)
     with torch.no_grad():
-        wide = torch.cat([linear(x[i : i + 16]) for i in range(0, rows, 16)])
-        return all(torch.equal(linear(x[i : i + 1]), wide[i : i + 1]) for i in range(rows))
+        expected = torch.cat([linear._onednn(x[i : i + 16]) for i in range(0, rows, 16)])
+        return all(
+            torch.equal(torch.cat([linear._kernel(x[i : i + width]) for i in range(0, rows, width)]), expected)
+            for width in (1, 3, 16)
+        )

@@ -1,0 +1,73 @@
+"""The decode step's linear products at the speed a core streams memory, with oneDNN's very bits (CPU).
+
+A decode step of up to 16 rows is bound by reading the weights: about a hundred products read every
+weight once per step. oneDNN's packed product (row_invariant.py) reads them at 10-15 GB/s a core at those
+widths, where a plain sequential read runs at 21-28 GB/s (BENCHMARKS.md, issue 33). No torch or oneDNN
+product reads faster and also keeps a row's bits the same at every width, so this one is written by hand
+(decode_kernel.cpp, AVX-512): each weight packed into 64-output panels, read as one stream, up to four
+rows at a time, every output summed in the order oneDNN sums it. The engine uses it only for the weight
+shapes where a check at start finds every row's bits equal to oneDNN's (`panels_agree` in
+row_invariant.py); on a CPU where oneDNN sums otherwise (AMX tiles, another block size) it keeps oneDNN,
+and a request's tokens are the same alone and in a busy batch either way.
+
+torch's cpp_extension compiles the kernel on first use (about 6 s, kept in torch's extensions folder). It
+is not used without a C++ compiler, without AVX-512 (avx512_bf16 for bfloat16 weights), or with
+PHALANX_DECODE_KERNEL=0. The panels are a third copy of the linear weights, beside the plain weights and
+oneDNN's packed ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("phalanx.serve")
+
+PANEL = 64  # outputs per panel: decode_kernel.cpp's four 16-lane accumulators
+BLOCK = 512  # oneDNN sums a row's inputs in blocks of this many, then adds the blocks (measured, both dtypes)
+KERNEL_ROWS = 16  # the widest product the kernel takes: the widths the checks at start cover
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+
+
+def decode_kernel_available(dtype: torch.dtype) -> bool:
+    """Whether the kernel can run here for weights of this dtype (compiling it on the first call)."""
+    if os.environ.get("PHALANX_DECODE_KERNEL", "1") == "0" or not torch.cpu._is_avx512_supported():
+        return False
+    if dtype == torch.bfloat16 and not torch.cpu._is_avx512_bf16_supported():
+        return False
+    return dtype in (torch.float32, torch.bfloat16) and _compiled()
+
+
+@functools.cache
+def _compiled() -> bool:
+    from torch.utils import cpp_extension
+
+    try:
+        source = Path(__file__).with_name("decode_kernel.cpp")
+        cpp_extension.load("phalanx_decode_kernel", [str(source)], extra_cflags=_FLAGS, is_python_module=False)
+    except Exception as e:  # no compiler, or one that refuses the flags: oneDNN serves every width
+        log.warning("decode kernel not built (%s): decode steps stay on oneDNN", str(e).splitlines()[0])
+        return False
+    return True
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """The weight (out, in) as the kernel reads it: 64-output panels, zero-padded. float32: [panel][in][64];
+    bfloat16: [panel][in/2][64][2], an output's inputs k and k+1 side by side as vdpbf16ps takes them."""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // PANEL)
+    padded_in = in_features + (in_features % 2 if weight.dtype == torch.bfloat16 else 0)
+    padded = weight.new_zeros(panels * PANEL, padded_in)
+    padded[:out_features, :in_features] = weight
+    if weight.dtype == torch.float32:
+        return padded.view(panels, PANEL, padded_in).transpose(1, 2).contiguous()
+    return padded.view(panels, PANEL, padded_in // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, block: int = BLOCK) -> torch.Tensor:
+    """x (rows, in), contiguous, times the packed weight: (rows, out) in x's dtype."""
+    return torch.ops.phalanx_decode_kernel.linear(x, panels, out_features, block)

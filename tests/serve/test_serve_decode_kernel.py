@@ -1,0 +1,119 @@
+"""The decode kernel (serve/engines/decode_kernel.py): a decode step's linear products read each packed weight
+as one stream and give every row exactly the bits oneDNN gives it, so the engine may use the kernel without
+changing any request's tokens. Measured equal on AMD EPYC (Zen 4, AVX-512 with bf16, no AMX); elsewhere
+the engine checks at start and keeps oneDNN where the bits differ, which these tests hold it to as well."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx.models.decoder import ModelArgs
+from phalanx.serve.core.options import SamplingOptions
+from phalanx.serve.engines.decode_kernel import decode_kernel_available, pack_panels, panel_linear
+from phalanx.serve.engines.row_invariant import RowInvariantLinear, make_rows_invariant, panels_agree
+from phalanx.serve.engines.torch_engine import Engine
+
+ARGS = ModelArgs(
+    dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=160, rope_theta=10000.0
+)  # ffn 1152: w2's reduction is cut in two chunks (row_invariant.py), each its own panels
+DTYPES = [torch.float32, torch.bfloat16]
+# Where oneDNN's sums were measured to be the kernel's; on other CPUs only consistency is required.
+MEASURED_CPU = "AuthenticAMD" in Path("/proc/cpuinfo").read_text() and not torch.cpu._is_amx_tile_supported()
+
+
+def kernel_or_skip(dtype: torch.dtype) -> None:
+    if not decode_kernel_available(dtype):
+        pytest.skip(f"no decode kernel for {dtype} here (no AVX-512, avx512_bf16 or compiler)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_computes_the_product_for_any_shape(dtype):
+    """Odd inputs (a zero pads the last bf16 pair), outputs not a multiple of the 64-output panel, long rows,
+    row counts that are not a multiple of the four the kernel takes at a time."""
+    kernel_or_skip(dtype)
+    generator = torch.Generator().manual_seed(0)
+    for k, n, rows in [(96, 100, 1), (501, 64, 3), (768, 2304, 16), (1000, 130, 7), (2048, 5, 2), (64, 64, 0)]:
+        weight = (torch.randn(n, k, generator=generator) / k**0.5).to(dtype)
+        x = torch.randn(rows, k, generator=generator).to(dtype)
+        got = panel_linear(x, pack_panels(weight), n)
+        assert got.shape == (rows, n) and got.dtype == dtype
+        exact = x.double() @ weight.double().T
+        atol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+        torch.testing.assert_close(got.double(), exact, rtol=0, atol=atol)
+        one_by_one = [panel_linear(x[r : r + 1], pack_panels(weight), n) for r in range(rows)]
+        assert rows == 0 or torch.equal(torch.cat(one_by_one), got)  # a row's bits are its own
+
+
+def test_the_kernel_refuses_panels_of_another_shape():
+    kernel_or_skip(torch.float32)
+    panels = pack_panels(torch.randn(64, 96))
+    with pytest.raises(RuntimeError, match="panels of another shape"):
+        panel_linear(torch.randn(1, 128), panels, 64)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        panel_linear(torch.randn(96, 2).T, panels, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_decode_width_gets_the_bits_onednn_gives(dtype):
+    kernel_or_skip(dtype)
+    torch.manual_seed(0)
+    for k, n in [(96, 192), (768, 2304), (1152, 96), (2100, 64)]:  # one chunk, one, two, three
+        linear = RowInvariantLinear(torch.nn.Linear(k, n, bias=False).to(dtype))
+        x = torch.randn(16, 1, k).to(dtype)  # (rows, 1, features), as a decode step has them
+        with torch.no_grad():
+            onednn = linear(x)
+            linear.pack_panels()
+            by_width = {w: torch.cat([linear(x[r : r + w]) for r in range(0, 16, w)]) for w in (1, 2, 4, 8, 16)}
+        same = all(torch.equal(got, onednn) for got in by_width.values())
+        if MEASURED_CPU:
+            assert same, (k, n)
+            assert panels_agree(linear)
+        else:  # another CPU: what the engine's check decides must be what the bits say
+            assert panels_agree(linear) == same
+
+
+def test_the_check_refuses_a_kernel_that_sums_in_other_blocks():
+    """The kernel summing in blocks of 256 inputs, where oneDNN sums 512: the engine's check must see it."""
+    kernel_or_skip(torch.float32)
+    torch.manual_seed(0)
+    linear = RowInvariantLinear(torch.nn.Linear(768, 256, bias=False))
+    linear.pack_panels(block=256)
+    assert not panels_agree(linear)
+    if MEASURED_CPU:
+        linear.pack_panels()
+        assert panels_agree(linear)
+
+
+def prompt(tokenizer, i: int) -> list[int]:
+    return [0] + tokenizer.encode("ROMEO: " + "but soft " * (i % 3) + f"line {i}").ids
+
+
+def served(model, tokenizer) -> tuple[list, int]:
+    """Three requests at once on a 4-slot engine (decode widths 4, 2, 1 as they finish), and how many layers
+    took the kernel."""
+    e = Engine(model, tokenizer, slots=4, max_queue=4)
+    kernel_layers = sum(1 for m in model.modules() if isinstance(m, RowInvariantLinear) and m._panels is not None)
+    e.start()
+    try:
+        options = [SamplingOptions(temperature=0, max_tokens=20 + 15 * i) for i in range(3)]
+        streams = [e.submit(prompt(tokenizer, i), options[i], top_logprobs=2) for i in range(3)]
+        return [(s.text(), s.finish.completion_tokens, s.logprobs) for s in streams], kernel_layers
+    finally:
+        e.stop()
+
+
+def test_the_engine_decodes_the_same_with_the_kernel_as_without(model, tokenizer, monkeypatch):
+    """Tokens and log-probabilities (compared exactly), kernel off and on, on the same model: each engine
+    start chooses afresh."""
+    monkeypatch.setenv("PHALANX_DECODE_KERNEL", "0")
+    without, layers_off = served(model, tokenizer)
+    monkeypatch.delenv("PHALANX_DECODE_KERNEL")
+    with_kernel, layers_on = served(model, tokenizer)
+    assert layers_off == 0
+    assert with_kernel == without
+    if decode_kernel_available(torch.float32) and MEASURED_CPU:
+        assert layers_on == 2 * 7 + 1  # every layer: 7 per block and the head
+    assert make_rows_invariant(model)  # again on the swapped model: still row-invariant
