@@ -164,11 +164,17 @@ class DecodeRows(TokenPass):
         # Query head h reads kv head h // group (HF's repeat_kv order), without copying the cache.
         compute = decode_attention_dtype(q_BHTE.device, q_BHTE.dtype)
         q_BKGE = q_BHTE.reshape(B, K, H // K, E).to(compute)
-        scores_BKGS = (q_BKGE @ cache_k[:B].to(compute).transpose(-1, -2)) * (1.0 / math.sqrt(E))
-        scores_BKGS = scores_BKGS.masked_fill(self.hidden_B11S(attention.sliding_window), float("-inf"))
-        probs_BKGS = torch.softmax(scores_BKGS.float(), dim=-1).to(compute)
-        out_BKGF = probs_BKGS @ cache_v[:B].to(compute)  # F: the value head dim (MLA's may differ from E)
+        out_BKGF = self.attend_cached(attention, q_BKGE, cache_k[:B].to(compute), cache_v[:B].to(compute))
         return out_BKGF.to(q_BHTE.dtype).reshape(B, 1, -1)
+
+    def attend_cached(self, attention, q_BKGE, k_BKSE, v_BKSF) -> torch.Tensor:
+        """Each query row over its row's cached keys and values, in the compute dtype: (B, K, G, F), F the
+        value head dim (MLA's may differ from E). A server may put a faster kernel here (it must keep each
+        row's bits its own)."""
+        scores_BKGS = (q_BKGE @ k_BKSE.transpose(-1, -2)) * (1.0 / math.sqrt(q_BKGE.shape[-1]))
+        scores_BKGS = scores_BKGS.masked_fill(self.hidden_B11S(attention.sliding_window), float("-inf"))
+        probs_BKGS = torch.softmax(scores_BKGS.float(), dim=-1).to(q_BKGE.dtype)
+        return probs_BKGS @ v_BKSF
 
 
 class Packed(TokenPass):

@@ -14,7 +14,7 @@ from phalanx.models.decoder import ModelArgs
 from phalanx.serve.core.options import SamplingOptions
 from phalanx.serve.engines.decode_kernel import decode_kernel_available, pack_panels, panel_linear
 from phalanx.serve.engines.row_invariant import RowInvariantLinear, make_rows_invariant, panels_agree
-from phalanx.serve.engines.torch_engine import Engine
+from phalanx.serve.engines.torch_engine import Engine, step_span
 
 ARGS = ModelArgs(
     dim=96, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=1152, vocab_size=512, max_seq_len=160, rope_theta=10000.0
@@ -87,6 +87,54 @@ def test_the_check_refuses_a_kernel_that_sums_in_other_blocks():
         assert panels_agree(linear)
 
 
+class Cache:
+    """A decode step's view of a KV cache, as torch_engine's _StepCache gives DecodeRows."""
+
+    def __init__(self, k, v, width: int, span: int):
+        self.max_len, self._k, self._v = span, k[:width, :, :span], v[:width, :, :span]
+
+    def layer(self, i):
+        return self._k, self._v
+
+
+class Layer:
+    layer_index = 0
+
+    def __init__(self, window):
+        self.sliding_window = window
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, e, f, window", [(12, 12, 64, 64, None), (6, 2, 16, 16, 5), (4, 4, 24, 40, None)]
+)
+def test_decode_attention_in_the_kernel_is_close_to_torchs_and_each_row_its_own(heads, kv_heads, e, f, window):
+    """Against DecodeRows' batched products (grouped-query heads, a sliding window, MLA's wider values):
+    close; and each row's output the very same bits alone as among rows at other positions, at any span."""
+    from phalanx.models.token_pass import DecodeRows
+    from phalanx.serve.engines.decode_kernel import KernelDecodeRows
+
+    kernel_or_skip(torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    slots, length = 4, 48
+    k = torch.randn(slots, kv_heads, length, e, generator=generator)
+    v = torch.randn(slots, kv_heads, length, f, generator=generator)
+    q = torch.randn(slots, heads, 1, e, generator=generator)
+    new_k = torch.randn(slots, kv_heads, 1, e, generator=generator)
+    new_v = torch.randn(slots, kv_heads, 1, f, generator=generator)
+    positions = torch.tensor([3, 40, 0, 17])
+
+    def attend(rows_class, width, span, rows=slice(None)):
+        ck, cv = k.clone(), v.clone()
+        step = rows_class(Cache(ck[rows], cv[rows], width, span), positions[rows][:width].contiguous())
+        return step.attend(Layer(window), q[rows][:width], new_k[rows][:width], new_v[rows][:width])
+
+    kernel = attend(KernelDecodeRows, slots, 44)
+    torch.testing.assert_close(kernel, attend(DecodeRows, slots, 44), rtol=1e-5, atol=1e-5)
+    for row in range(slots):  # alone, over the span the engine would give the row alone
+        alone = attend(KernelDecodeRows, 1, step_span(int(positions[row]) + 1, length), rows=slice(row, row + 1))
+        assert torch.equal(alone[0], kernel[row])
+
+
 def prompt(tokenizer, i: int) -> list[int]:
     return [0] + tokenizer.encode("ROMEO: " + "but soft " * (i % 3) + f"line {i}").ids
 
@@ -106,14 +154,17 @@ def served(model, tokenizer) -> tuple[list, int]:
 
 
 def test_the_engine_decodes_the_same_with_the_kernel_as_without(model, tokenizer, monkeypatch):
-    """Tokens and log-probabilities (compared exactly), kernel off and on, on the same model: each engine
-    start chooses afresh."""
+    """Kernel off and on, on the same model (each engine start chooses afresh): the same tokens, and
+    log-probabilities equal up to the attention's own summation order (the products' bits are the same)."""
     monkeypatch.setenv("PHALANX_DECODE_KERNEL", "0")
     without, layers_off = served(model, tokenizer)
     monkeypatch.delenv("PHALANX_DECODE_KERNEL")
     with_kernel, layers_on = served(model, tokenizer)
     assert layers_off == 0
-    assert with_kernel == without
+    assert [(text, n) for text, n, _ in with_kernel] == [(text, n) for text, n, _ in without]
+    for (*_, got), (*_, expected) in zip(with_kernel, without):
+        assert [e["token"] for e in got] == [e["token"] for e in expected]
+        assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
     if decode_kernel_available(torch.float32) and MEASURED_CPU:
         assert layers_on == 2 * 7 + 1  # every layer: 7 per block and the head
     assert make_rows_invariant(model)  # again on the swapped model: still row-invariant

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstdint>
 #include <type_traits>
 
@@ -136,7 +137,105 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   return y;
 }
 
+// ---- Decode attention: one query row per request over its cached keys (float32) ----
+// Each (row, kv head) is summed alone and in a fixed order, and only up to the row's own position, so a
+// row's bits depend neither on the other rows nor on how far the step's span reaches.
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+void check_rows(const at::Tensor& rows, const at::Tensor& cache, const at::Tensor& positions, const char* what) {
+  TORCH_CHECK(rows.dim() == 4 && rows.is_contiguous() && rows.scalar_type() == at::kFloat, what, ": (B, K, G, n) float32");
+  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1 && cache.scalar_type() == at::kFloat, "cache: (B, K, S, n) float32");
+  TORCH_CHECK(cache.size(0) == rows.size(0) && cache.size(1) == rows.size(1), "cache rows and heads");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows.size(0) && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(),
+              "positions: (B,) int64");
+}
+
+// scores[b, k, g, s] = (q[b, k, g] . keys[b, k, s]) * scale for s <= positions[b], -inf beyond.
+at::Tensor attend_scores(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& positions, double scale) {
+  check_rows(q, keys, positions, "queries");
+  TORCH_CHECK(keys.size(3) == q.size(3), "key and query head dims");
+  const int64_t B = q.size(0), K = q.size(1), G = q.size(2), E = q.size(3), S = keys.size(2);
+  auto out = at::empty({B, K, G, S}, q.options());
+  const float* qp = q.const_data_ptr<float>();
+  const float* kp = keys.const_data_ptr<float>();
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float factor = static_cast<float>(scale);
+  at::parallel_for(0, B * K, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bk = begin; bk < end; ++bk) {
+      const int64_t b = bk / K, k = bk % K, seen = std::min(S, pos[b] + 1);
+      const float* kb = kp + b * keys.stride(0) + k * keys.stride(1);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qp + (bk * G + g) * E;
+        float* row = op + (bk * G + g) * S;
+        for (int64_t s = 0; s < seen; ++s) row[s] = dot(qg, kb + s * keys.stride(2), E) * factor;
+        for (int64_t s = std::max<int64_t>(seen, 0); s < S; ++s) row[s] = -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+  return out;
+}
+
+// out[b, k, g] = sum over s <= positions[b] of probs[b, k, g, s] * values[b, k, s], s ascending.
+at::Tensor attend_values(const at::Tensor& probs, const at::Tensor& values, const at::Tensor& positions) {
+  check_rows(probs, values, positions, "probabilities");
+  TORCH_CHECK(values.size(2) == probs.size(3), "one probability per cached position");
+  const int64_t B = probs.size(0), K = probs.size(1), G = probs.size(2), S = probs.size(3), F = values.size(3);
+  auto out = at::empty({B, K, G, F}, probs.options());
+  const float* pp = probs.const_data_ptr<float>();
+  const float* vp = values.const_data_ptr<float>();
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * K, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bk = begin; bk < end; ++bk) {
+      const int64_t b = bk / K, k = bk % K, seen = std::min(S, pos[b] + 1);
+      const float* vb = vp + b * values.stride(0) + k * values.stride(1);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = pp + (bk * G + g) * S;
+        float* o = op + (bk * G + g) * F;
+        for (int64_t f0 = 0; f0 < F; f0 += 64) {  // 64 outputs at a time: four accumulators
+          const int64_t width = std::min<int64_t>(64, F - f0);
+          __mmask16 mask[4];
+          __m512 acc[4];
+          for (int j = 0; j < 4; ++j) {
+            const int64_t left = std::clamp<int64_t>(width - 16 * j, 0, 16);
+            mask[j] = (__mmask16)((1u << left) - 1);
+            acc[j] = _mm512_setzero_ps();
+          }
+          for (int64_t s = 0; s < seen; ++s) {
+            const __m512 weight = _mm512_set1_ps(p[s]);
+            const float* v = vb + s * values.stride(2) + f0;
+            for (int j = 0; j < 4; ++j)
+              acc[j] = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask[j], v + 16 * j), acc[j]);
+          }
+          for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(o + f0 + 16 * j, mask[j], acc[j]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(phalanx_decode_kernel, m) { m.def("linear(Tensor x, Tensor panels, int out_features, int block) -> Tensor"); }
-TORCH_LIBRARY_IMPL(phalanx_decode_kernel, CPU, m) { m.impl("linear", &panel_linear); }
+TORCH_LIBRARY(phalanx_decode_kernel, m) {
+  m.def("linear(Tensor x, Tensor panels, int out_features, int block) -> Tensor");
+  m.def("attend_scores(Tensor q, Tensor keys, Tensor positions, float scale) -> Tensor");
+  m.def("attend_values(Tensor probs, Tensor values, Tensor positions) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(phalanx_decode_kernel, CPU, m) {
+  m.impl("linear", &panel_linear);
+  m.impl("attend_scores", &attend_scores);
+  m.impl("attend_values", &attend_values);
+}

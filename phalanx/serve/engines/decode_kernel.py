@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from pathlib import Path
 
 import torch
+
+from phalanx.models.token_pass import DecodeRows
 
 log = logging.getLogger("phalanx.serve")
 
@@ -71,3 +74,18 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, block: int = BLOCK) -> torch.Tensor:
     """x (rows, in), contiguous, times the packed weight: (rows, out) in x's dtype."""
     return torch.ops.phalanx_decode_kernel.linear(x, panels, out_features, block)
+
+
+class KernelDecodeRows(DecodeRows):
+    """A decode step whose attention runs in the decode kernel (CPU, float32 cache): each row's query over
+    its own cached positions only, where torch's batched products read every position of the step's span
+    at about 9 GB/s (BENCHMARKS.md). Every row is summed alone in a fixed order, so its bits depend on
+    neither its neighbours nor the span, as DecodeRows promises."""
+
+    def attend_cached(self, attention, q_BKGE, k_BKSE, v_BKSF) -> torch.Tensor:
+        ops = torch.ops.phalanx_decode_kernel
+        scale = 1.0 / math.sqrt(q_BKGE.shape[-1])
+        scores_BKGS = ops.attend_scores(q_BKGE.contiguous(), k_BKSE, self.positions_B, scale)  # -inf past a row
+        if attention.sliding_window is not None:
+            scores_BKGS = scores_BKGS.masked_fill(self.hidden_B11S(attention.sliding_window), float("-inf"))
+        return ops.attend_values(torch.softmax(scores_BKGS, dim=-1), v_BKSF, self.positions_B)

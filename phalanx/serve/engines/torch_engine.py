@@ -70,6 +70,7 @@ from phalanx.serve.core.sampler import RequestSampler
 from phalanx.serve.core.scheduler import Pending, ScheduledEngine, SlotScheduler
 from phalanx.serve.core.structured_output import TokenVocabulary
 from phalanx.serve.core.text_stream import IncrementalText, StopMatcher
+from phalanx.serve.engines.decode_kernel import KernelDecodeRows, decode_kernel_available
 from phalanx.serve.engines.prefill import (
     MAX_PREFILL_TOKENS,
     PREFILL_CHUNK_TOKENS,
@@ -173,6 +174,10 @@ class Engine(ScheduledEngine):
         # prefilled together only where tall products keep them so too (prefill.py).
         self.sized_steps = make_rows_invariant(self.model)
         self.batched_prefill = self.sized_steps and prefill_rows_agree(self.model)
+        # Decode attention in the decode kernel where it runs (a float32 cache on an AVX-512 CPU): each row
+        # over its own positions only, summed alone, so still the same bits alone and in company.
+        kernel = cache_dtype == torch.float32 and self.device.type == "cpu" and decode_kernel_available(cache_dtype)
+        self._decode_rows = KernelDecodeRows if kernel else DecodeRows
         # A burst of long prompts joins over several boundaries, a decode step between each (prefill.py).
         self.prefill_budget = MAX_PREFILL_TOKENS if self.batched_prefill else float("inf")
         # Longer prompts are prefilled a chunk per boundary (None: each in one pass), into a one-row cache
@@ -409,7 +414,7 @@ class Engine(ScheduledEngine):
             tokens_N1 = torch.tensor(tokens, dtype=torch.long, device=self.device).view(width, 1)
             positions_N = torch.tensor(positions, dtype=torch.long, device=self.device)
             cache = _StepCache(self.cache, width, span)
-            logits_NV = self.model(tokens_N1, DecodeRows(cache, positions_N))[:, 0].float()
+            logits_NV = self.model(tokens_N1, self._decode_rows(cache, positions_N))[:, 0].float()
             greedy = logits_NV.argmax(dim=-1).tolist()
         except Exception as e:  # the batched forward itself: fail this step's requests, keep serving
             log.exception("decode step failed")
