@@ -24,7 +24,8 @@ any shape cache (oneDNN's primitives, a compiled graph) small.
 
 Greedy decoding gives a request the same tokens alone as in a busy batch because each row's math never
 sees its neighbours or the step's width: the linear layers run through oneDNN on packed weights
-(row_invariant.py), whose rows are the same bits at any batch size, where MKL's are not; a prompt's
+(row_invariant.py), whose rows are the same bits at any batch size, where MKL's are not (decode steps take
+a kernel of phalanx's own with oneDNN's very bits where a start check proves them: decode_kernel.py); a prompt's
 attention in a batched prefill is the very call its prefill alone makes; the attention of batched
 decoding is spelt out row by row (models/token_pass.py DecodeRows), and positions beyond a row's length weigh
 exactly 0 whatever the span. Where that cannot be had (a GPU, another dtype) every step keeps today's
