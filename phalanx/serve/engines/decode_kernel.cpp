@@ -161,27 +161,36 @@ void check_rows(const at::Tensor& rows, const at::Tensor& cache, const at::Tenso
               "positions: (B,) int64");
 }
 
+// body(i, head, seen) for each (row b, kv head k), i = b * K + k, in parallel: head points at the cache's
+// positions for (b, k), seen is how many of them the row holds (its position + 1, at most S).
+template <typename Body>
+void for_each_head(const at::Tensor& cache, const at::Tensor& positions, const Body& body) {
+  const int64_t K = cache.size(1), S = cache.size(2);
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const float* base = cache.const_data_ptr<float>();
+  at::parallel_for(0, positions.size(0) * K, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / K, k = i % K;
+      body(i, base + b * cache.stride(0) + k * cache.stride(1), std::clamp<int64_t>(pos[b] + 1, 0, S));
+    }
+  });
+}
+
 // scores[b, k, g, s] = (q[b, k, g] . keys[b, k, s]) * scale for s <= positions[b], -inf beyond.
 at::Tensor attend_scores(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& positions, double scale) {
   check_rows(q, keys, positions, "queries");
   TORCH_CHECK(keys.size(3) == q.size(3), "key and query head dims");
-  const int64_t B = q.size(0), K = q.size(1), G = q.size(2), E = q.size(3), S = keys.size(2);
-  auto out = at::empty({B, K, G, S}, q.options());
+  const int64_t G = q.size(2), E = q.size(3), S = keys.size(2), step = keys.stride(2);
+  auto out = at::empty({q.size(0), q.size(1), G, S}, q.options());
   const float* qp = q.const_data_ptr<float>();
-  const float* kp = keys.const_data_ptr<float>();
-  const int64_t* pos = positions.const_data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float factor = static_cast<float>(scale);
-  at::parallel_for(0, B * K, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bk = begin; bk < end; ++bk) {
-      const int64_t b = bk / K, k = bk % K, seen = std::min(S, pos[b] + 1);
-      const float* kb = kp + b * keys.stride(0) + k * keys.stride(1);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qp + (bk * G + g) * E;
-        float* row = op + (bk * G + g) * S;
-        for (int64_t s = 0; s < seen; ++s) row[s] = dot(qg, kb + s * keys.stride(2), E) * factor;
-        for (int64_t s = std::max<int64_t>(seen, 0); s < S; ++s) row[s] = -std::numeric_limits<float>::infinity();
-      }
+  for_each_head(keys, positions, [&](int64_t i, const float* head, int64_t seen) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* query = qp + (i * G + g) * E;
+      float* row = op + (i * G + g) * S;
+      for (int64_t s = 0; s < seen; ++s) row[s] = dot(query, head + s * step, E) * factor;
+      std::fill(row + seen, row + S, -std::numeric_limits<float>::infinity());
     }
   });
   return out;
@@ -191,36 +200,28 @@ at::Tensor attend_scores(const at::Tensor& q, const at::Tensor& keys, const at::
 at::Tensor attend_values(const at::Tensor& probs, const at::Tensor& values, const at::Tensor& positions) {
   check_rows(probs, values, positions, "probabilities");
   TORCH_CHECK(values.size(2) == probs.size(3), "one probability per cached position");
-  const int64_t B = probs.size(0), K = probs.size(1), G = probs.size(2), S = probs.size(3), F = values.size(3);
-  auto out = at::empty({B, K, G, F}, probs.options());
+  const int64_t G = probs.size(2), S = probs.size(3), F = values.size(3), step = values.stride(2);
+  auto out = at::empty({probs.size(0), probs.size(1), G, F}, probs.options());
   const float* pp = probs.const_data_ptr<float>();
-  const float* vp = values.const_data_ptr<float>();
-  const int64_t* pos = positions.const_data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * K, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bk = begin; bk < end; ++bk) {
-      const int64_t b = bk / K, k = bk % K, seen = std::min(S, pos[b] + 1);
-      const float* vb = vp + b * values.stride(0) + k * values.stride(1);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* p = pp + (bk * G + g) * S;
-        float* o = op + (bk * G + g) * F;
-        for (int64_t f0 = 0; f0 < F; f0 += 64) {  // 64 outputs at a time: four accumulators
-          const int64_t width = std::min<int64_t>(64, F - f0);
-          __mmask16 mask[4];
-          __m512 acc[4];
-          for (int j = 0; j < 4; ++j) {
-            const int64_t left = std::clamp<int64_t>(width - 16 * j, 0, 16);
-            mask[j] = (__mmask16)((1u << left) - 1);
-            acc[j] = _mm512_setzero_ps();
-          }
-          for (int64_t s = 0; s < seen; ++s) {
-            const __m512 weight = _mm512_set1_ps(p[s]);
-            const float* v = vb + s * values.stride(2) + f0;
-            for (int j = 0; j < 4; ++j)
-              acc[j] = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask[j], v + 16 * j), acc[j]);
-          }
-          for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(o + f0 + 16 * j, mask[j], acc[j]);
+  for_each_head(values, positions, [&](int64_t i, const float* head, int64_t seen) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p = pp + (i * G + g) * S;
+      float* o = op + (i * G + g) * F;
+      for (int64_t f0 = 0; f0 < F; f0 += 64) {  // 64 outputs at a time: four accumulators
+        __mmask16 mask[4];
+        __m512 acc[4];
+        for (int j = 0; j < 4; ++j) {
+          const int64_t left = std::clamp<int64_t>(F - f0 - 16 * j, 0, 16);
+          mask[j] = (__mmask16)((1u << left) - 1);
+          acc[j] = _mm512_setzero_ps();
         }
+        for (int64_t s = 0; s < seen; ++s) {
+          const __m512 weight = _mm512_set1_ps(p[s]);
+          const float* v = head + s * step + f0;
+          for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask[j], v + 16 * j), acc[j]);
+        }
+        for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(o + f0 + 16 * j, mask[j], acc[j]);
       }
     }
   });
