@@ -10,18 +10,20 @@ shapes where a check at start finds every row's bits equal to oneDNN's (`panels_
 row_invariant.py); on a CPU where oneDNN sums otherwise (AMX tiles, another block size) it keeps oneDNN,
 and a request's tokens are the same alone and in a busy batch either way.
 
-torch's cpp_extension compiles the kernel on first use (about 6 s, kept in torch's extensions folder). It
-is not used without a C++ compiler, without AVX-512 (avx512_bf16 for bfloat16 weights), or with
-PHALANX_DECODE_KERNEL=0. The panels are a third copy of the linear weights, beside the plain weights and
-oneDNN's packed ones.
+torch's cpp_extension compiles the kernel on first use (about 6 s; kept in $XDG_CACHE_HOME/phalanx,
+~/.cache/phalanx by default). It is not used without a C++ compiler, without AVX-512 (avx512_bf16 for
+bfloat16 weights), or with PHALANX_DECODE_KERNEL=0. The panels are a third copy of the linear weights,
+beside the plain weights and oneDNN's packed ones.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -47,12 +49,29 @@ def decode_kernel_available(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _compiled() -> bool:
+    """Build the kernel once per source, flags and torch (in a folder of its own, so that a build killed
+    halfway leaves no lock for the next process to wait on), keep it, and load it."""
     from torch.utils import cpp_extension
 
+    source = Path(__file__).with_name("decode_kernel.cpp")
+    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS + [torch.__version__]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "phalanx" / "decode_kernel"
+    kept = cache / f"phalanx_decode_kernel-{key}.so"
     try:
-        source = Path(__file__).with_name("decode_kernel.cpp")
-        cpp_extension.load("phalanx_decode_kernel", [str(source)], extra_cflags=_FLAGS, is_python_module=False)
-    except Exception as e:  # no compiler, or one that refuses the flags: oneDNN serves every width
+        if kept.exists():
+            torch.ops.load_library(str(kept))
+            return True
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as build:  # loads what it builds
+            cpp_extension.load(
+                "phalanx_decode_kernel",
+                [str(source)],
+                extra_cflags=_FLAGS,
+                build_directory=build,
+                is_python_module=False,
+            )
+            os.replace(Path(build) / "phalanx_decode_kernel.so", kept)  # atomic: a racing build's copy is the same
+    except Exception as e:  # no compiler, one that refuses the flags, a cache we cannot write: oneDNN serves
         log.warning("decode kernel not built (%s): decode steps stay on oneDNN", str(e).splitlines()[0])
         return False
     return True
