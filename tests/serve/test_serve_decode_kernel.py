@@ -5,6 +5,9 @@ the engine checks at start and keeps oneDNN where the bits differ, which these t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,3 +171,24 @@ def test_the_engine_decodes_the_same_with_the_kernel_as_without(model, tokenizer
     if decode_kernel_available(torch.float32) and MEASURED_CPU:
         assert layers_on == 2 * 7 + 1  # every layer: 7 per block and the head
     assert make_rows_invariant(model)  # again on the swapped model: still row-invariant
+
+
+def test_the_kernel_is_built_once_and_kept_for_the_next_process(tmp_path):
+    """Built in a folder of its own (a killed build leaves no lock behind) and kept under the cache folder;
+    the next process loads the kept library and builds nothing."""
+    kernel_or_skip(torch.float32)
+    run = [
+        sys.executable,
+        "-c",
+        "import torch; from phalanx.serve.engines.decode_kernel import _compiled as c; print(c())",
+    ]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    (tmp_path / "phalanx" / "decode_kernel" / "tmp-killed-build").mkdir(parents=True)  # a build killed halfway
+    (tmp_path / "phalanx" / "decode_kernel" / "tmp-killed-build" / "lock").touch()
+    assert subprocess.run(run, env=env, capture_output=True, text=True, timeout=300).stdout.strip() == "True"
+    kept = list((tmp_path / "phalanx" / "decode_kernel").glob("phalanx_decode_kernel-*.so"))
+    assert len(kept) == 1
+    built_at = kept[0].stat().st_mtime_ns
+    assert subprocess.run(run, env=env, capture_output=True, text=True, timeout=300).stdout.strip() == "True"
+    assert kept[0].stat().st_mtime_ns == built_at
+    assert sorted(p.name for p in kept[0].parent.iterdir()) == sorted([kept[0].name, "tmp-killed-build"])
