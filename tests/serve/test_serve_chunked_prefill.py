@@ -7,6 +7,7 @@ fallback of a GPU, bf16 on this CPU, int8 layers). Chunk sizes here are small so
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -186,27 +187,37 @@ def test_cancelling_a_long_prompt_mid_prefill_frees_its_slot_and_the_next_is_unc
     options = SamplingOptions(temperature=0, max_tokens=8, ignore_eos=True)
     other = LONG[::-1]
     expected = alone(model, tokenizer, other, options, chunk=1)
-    times = TokenTimes()
-    e = engine(model, tokenizer, 2, chunk=1, observer=times)  # a chunk per token: a long prefill to cut
+    e = engine(model, tokenizer, 2, chunk=1, observer=TokenTimes())  # a chunk per token: a long prefill to cut
     e.start()
     try:
-        runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=300, ignore_eos=True))
-        pieces = iter(runner)
-        next(pieces)
-        doomed = e.submit(LONG, options)
-        seen = len(times.times)
-        while len(times.times) < seen + 5:  # a few boundaries in: some of its chunks are done
-            time.sleep(0.002)
-        doomed.cancel()
-        assert doomed.text() == "" and doomed.finish.reason == "cancelled"
-        assert doomed.finish.completion_tokens == 0 and doomed.finish.first_token_at is None
-        assert e.active == 1  # its slot is free again
-        runner.cancel()
-        list(pieces)
+        with long_cancelled_mid_prefill(e, options) as doomed:
+            assert doomed.text() == "" and doomed.finish.reason == "cancelled"
+            assert doomed.finish.completion_tokens == 0 and doomed.finish.first_token_at is None
+            assert e.active == 1  # its slot is free again
         got = output(e.submit(other, options, top_logprobs=2))  # the chunk cache starts over for it
     finally:
         e.stop()
     assert got == expected
+
+
+@contextlib.contextmanager
+def long_cancelled_mid_prefill(e: Engine, options: SamplingOptions):
+    """LONG, cancelled a few chunk boundaries into its prefill beside a runner that keeps decoding; on
+    leaving, the runner is cancelled and its stream drained (an undrained stream blocks the engine)."""
+    times = e.observer
+    runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=300, ignore_eos=True))
+    pieces = iter(runner)
+    next(pieces)
+    doomed = e.submit(LONG, options)
+    seen = len(times.times)
+    while len(times.times) < seen + 5:  # a few boundaries in: some of its chunks are done
+        time.sleep(0.002)
+    doomed.cancel()
+    try:
+        yield doomed
+    finally:
+        runner.cancel()
+        list(pieces)
 
 
 def test_a_prompt_holds_its_slot_while_it_is_prefilled_chunk_by_chunk(model, tokenizer):
@@ -298,21 +309,11 @@ def test_a_scored_prompt_and_a_prompt_after_a_cancelled_one_reuse_only_what_is_t
     finally:
         e.stop()
     expected = alone(model, tokenizer, NEXT_TURN, options, chunk=1)
-    times = TokenTimes()
-    e = engine(model, tokenizer, 2, chunk=1, observer=times)  # a chunk per token
+    e = engine(model, tokenizer, 2, chunk=1, observer=TokenTimes())  # a chunk per token
     e.start()
     try:
-        runner = e.submit(short(0), SamplingOptions(temperature=0, max_tokens=300, ignore_eos=True))
-        pieces = iter(runner)
-        next(pieces)
-        doomed = e.submit(LONG, options)
-        seen = len(times.times)
-        while len(times.times) < seen + 5:  # a few boundaries in: some of its chunks are done
-            time.sleep(0.002)
-        doomed.cancel()
-        doomed.text()
-        runner.cancel()
-        list(pieces)
+        with long_cancelled_mid_prefill(e, options) as doomed:
+            doomed.text()
         got = output(e.submit(NEXT_TURN, options, top_logprobs=2))
     finally:
         e.stop()
