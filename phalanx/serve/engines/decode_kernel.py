@@ -13,7 +13,7 @@ and a request's tokens are the same alone and in a busy batch either way.
 torch's cpp_extension compiles the kernel on first use (about 6 s; kept in $XDG_CACHE_HOME/phalanx,
 ~/.cache/phalanx by default). It is not used without a C++ compiler, without AVX-512 (avx512_bf16 for
 bfloat16 weights), or with PHALANX_DECODE_KERNEL=0. The panels are a third copy of the linear weights,
-beside the plain weights and oneDNN's packed ones.
+beside the plain weights and oneDNN's packed ones, laid end to end in huge pages (huge_pages.py).
 """
 
 from __future__ import annotations
@@ -77,12 +77,21 @@ def _compiled() -> bool:
     return True
 
 
+def _panel_shape(out_features: int, in_features: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(panels, padded inputs): bf16 pads an odd input count with a zero."""
+    return -(-out_features // PANEL), in_features + (in_features % 2 if dtype == torch.bfloat16 else 0)
+
+
+def panel_bytes(out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    panels, padded_in = _panel_shape(out_features, in_features, dtype)
+    return panels * PANEL * padded_in * dtype.itemsize
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """The weight (out, in) as the kernel reads it: 64-output panels, zero-padded. float32: [panel][in][64];
     bfloat16: [panel][in/2][64][2], an output's inputs k and k+1 side by side as vdpbf16ps takes them."""
     out_features, in_features = weight.shape
-    panels = -(-out_features // PANEL)
-    padded_in = in_features + (in_features % 2 if weight.dtype == torch.bfloat16 else 0)
+    panels, padded_in = _panel_shape(out_features, in_features, weight.dtype)
     padded = weight.new_zeros(panels * PANEL, padded_in)
     padded[:out_features, :in_features] = weight
     if weight.dtype == torch.float32:

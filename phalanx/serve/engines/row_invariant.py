@@ -25,7 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.serve.engines.decode_kernel import BLOCK, KERNEL_ROWS, decode_kernel_available, pack_panels, panel_linear
+from phalanx.serve.engines.decode_kernel import (
+    BLOCK,
+    KERNEL_ROWS,
+    decode_kernel_available,
+    pack_panels,
+    panel_bytes,
+    panel_linear,
+)
+from phalanx.serve.engines.huge_pages import HugePageArena
 
 log = logging.getLogger("phalanx.serve")
 
@@ -90,11 +98,18 @@ class RowInvariantLinear(nn.Module):
             out = y if out is None else out + y
         return out
 
-    def pack_panels(self, block: int = BLOCK) -> None:
-        """Take the decode kernel's panels of each chunk; a `block` other than oneDNN's is for tests."""
+    def pack_panels(self, block: int = BLOCK, arena: HugePageArena | None = None) -> None:
+        """Take the decode kernel's panels of each chunk, into `arena` if given (it must have
+        `panel_bytes()` free); a `block` other than oneDNN's is for tests."""
         with torch.no_grad():
             self._panels = [pack_panels(p) for p in self.weight.detach().split(self._sizes[0], dim=1)]
+        if arena is not None:
+            self._panels = [arena.put(p) for p in self._panels]
         self._block = block
+
+    def panel_bytes(self) -> list[int]:
+        """The bytes of each chunk's panels."""
+        return [panel_bytes(self.out_features, size, self._dtype) for size in self._sizes]
 
     def drop_panels(self) -> None:
         self._panels = None
@@ -113,7 +128,7 @@ def make_rows_invariant(model: nn.Module) -> bool:
                 if type(child) is nn.Linear:
                     setattr(parent, name, RowInvariantLinear(child))
                     swapped.append((parent, name, child))
-        invariant = all(rows_agree(getattr(parent, name)) for parent, name, _ in _one_per_shape(swapped))
+        invariant = all(rows_agree(linear) for linear in _one_per_shape([getattr(p, n) for p, n, _ in swapped]))
     except RuntimeError:  # a shape or build oneDNN refuses
         invariant = False
     if not invariant:  # measured, not promised by oneDNN: on a CPU where it does not hold, the old layers
@@ -131,28 +146,29 @@ def _choose_decode_kernel(linears: list[RowInvariantLinear], dtype: torch.dtype)
         linear.drop_panels()
     if not linears or not decode_kernel_available(dtype):
         return
-    by_shape: dict[torch.Size, list[RowInvariantLinear]] = {}
-    for linear in linears:
-        by_shape.setdefault(linear.weight.shape, []).append(linear)
-    kept = 0
-    for shape, same in by_shape.items():
-        same[0].pack_panels()
-        if panels_agree(same[0]):
-            for linear in same[1:]:
-                linear.pack_panels()
-            kept += len(same)
+    agreeing: set[torch.Size] = set()
+    for linear in _one_per_shape(linears):
+        linear.pack_panels()
+        if panels_agree(linear):
+            agreeing.add(linear.weight.shape)
         else:
-            same[0].drop_panels()
-            log.info("decode kernel: oneDNN sums a %s weight otherwise on this CPU; it stays on oneDNN", list(shape))
-    log.info("decode kernel: %d of %d linear layers", kept, len(linears))
+            shape = list(linear.weight.shape)
+            log.info("decode kernel: oneDNN sums a %s weight otherwise on this CPU; it stays on oneDNN", shape)
+        linear.drop_panels()
+    kept = [linear for linear in linears if linear.weight.shape in agreeing]
+    # One block for all the panels, in the order of the model's modules (about the order a step reads them).
+    arena = HugePageArena(HugePageArena.room_for([size for linear in kept for size in linear.panel_bytes()]))
+    for linear in kept:
+        linear.pack_panels(arena=arena)
+    log.info("decode kernel: %d of %d linear layers", len(kept), len(linears))
 
 
-def _one_per_shape(swapped: list[tuple[nn.Module, str, nn.Linear]]) -> list[tuple[nn.Module, str, nn.Linear]]:
+def _one_per_shape(linears: list[RowInvariantLinear]) -> list[RowInvariantLinear]:
     seen, out = set(), []
-    for parent, name, child in swapped:
-        if child.weight.shape not in seen:
-            seen.add(child.weight.shape)
-            out.append((parent, name, child))
+    for linear in linears:
+        if linear.weight.shape not in seen:
+            seen.add(linear.weight.shape)
+            out.append(linear)
     return out
 
 
