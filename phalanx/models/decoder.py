@@ -401,7 +401,7 @@ class Transformer(nn.Module):
         h_BTD = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         rope = rope_rotation(self.rope_cos[positions], self.rope_sin[positions], rope_dtype(h_BTD))
         for layer in self.layers.values():
-            h_BTD = layer(h_BTD, rope, token_pass)
+            h_BTD = token_pass.run_layer(layer, h_BTD, rope)
         if self.norm is None:
             return h_BTD
         h_BTD = self.norm(token_pass.head_rows(h_BTD))

@@ -69,6 +69,11 @@ class TokenPass:
         """The rows that go through the final norm and the output head: all of them by default."""
         return h_BTD
 
+    def run_layer(self, layer, h_BTD: torch.Tensor, rope) -> torch.Tensor:
+        """One transformer block over the pass's tokens: its own forward by default. A server may run a
+        decode step's block some faster way here (serve/engines/decode_block.py)."""
+        return layer(h_BTD, rope, self)
+
 
 def check_length(end: int, max_seq_len: int) -> None:
     if end > max_seq_len:

@@ -35,6 +35,7 @@ log = logging.getLogger("phalanx.serve")
 PANEL = 64  # outputs per panel: decode_kernel.cpp's four 16-lane accumulators
 BLOCK = 512  # oneDNN sums a row's inputs in blocks of this many, then adds the blocks (measured, both dtypes)
 KERNEL_ROWS = 16  # the widest product the kernel takes: the widths the checks at start cover
+_SOURCES = ["decode_kernel.cpp", "decode_block.cpp"]  # the products and attention; a whole block (decode_block.py)
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 
@@ -53,8 +54,10 @@ def _compiled() -> bool:
     halfway leaves no lock for the next process to wait on), keep it, and load it."""
     from torch.utils import cpp_extension
 
-    source = Path(__file__).with_name("decode_kernel.cpp")
-    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS + [torch.__version__]).encode()).hexdigest()[:16]
+    here = Path(__file__).parent
+    sources = [here / name for name in _SOURCES]
+    text = b"".join(path.read_bytes() for path in sources + [here / "decode_kernel.h"])
+    key = hashlib.sha256(text + " ".join(_FLAGS + [torch.__version__]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "phalanx" / "decode_kernel"
     kept = cache / f"phalanx_decode_kernel-{key}.so"
     try:
@@ -65,7 +68,7 @@ def _compiled() -> bool:
         with tempfile.TemporaryDirectory(dir=cache) as build:  # loads what it builds
             cpp_extension.load(
                 "phalanx_decode_kernel",
-                [str(source)],
+                [str(path) for path in sources],
                 extra_cflags=_FLAGS,
                 build_directory=build,
                 is_python_module=False,

@@ -65,13 +65,14 @@ from tokenizers import Tokenizer
 
 from phalanx.data.tokenizer import special_tokens
 from phalanx.models.decoder import KVCache, Transformer
-from phalanx.models.token_pass import Cached, DecodeRows, decode_attention_dtype
+from phalanx.models.token_pass import Cached, decode_attention_dtype
 from phalanx.serve.core.contract import EngineObserver, Request
 from phalanx.serve.core.sampler import RequestSampler
 from phalanx.serve.core.scheduler import Pending, ScheduledEngine, SlotScheduler
 from phalanx.serve.core.structured_output import TokenVocabulary
 from phalanx.serve.core.text_stream import IncrementalText, StopMatcher
-from phalanx.serve.engines.decode_kernel import KernelDecodeRows, decode_kernel_available
+from phalanx.serve.engines.decode_block import decode_step_rows
+from phalanx.serve.engines.decode_kernel import decode_kernel_available
 from phalanx.serve.engines.prefill import (
     MAX_PREFILL_TOKENS,
     PREFILL_CHUNK_TOKENS,
@@ -178,7 +179,7 @@ class Engine(ScheduledEngine):
         # Decode attention in the decode kernel where it runs (a float32 cache on an AVX-512 CPU): each row
         # over its own positions only, summed alone, so still the same bits alone and in company.
         kernel = cache_dtype == torch.float32 and self.device.type == "cpu" and decode_kernel_available(cache_dtype)
-        self._decode_rows = KernelDecodeRows if kernel else DecodeRows
+        self._decode_rows = decode_step_rows(self.model, kernel)  # native blocks where they cover a layer
         # A burst of long prompts joins over several boundaries, a decode step between each (prefill.py).
         self.prefill_budget = MAX_PREFILL_TOKENS if self.batched_prefill else float("inf")
         # Longer prompts are prefilled a chunk per boundary (None: each in one pass), into a one-row cache
