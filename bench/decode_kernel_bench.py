@@ -2,10 +2,12 @@
 
 1. Products: each width's rows times 48 weights of the `125m` shape's sizes (768 x 2304, 768 x 768,
    2048 x 768 twice, 1024 x 768 twice: w2's 2048 inputs are two chunks of 1024), cycled so that they
-   stream from memory as a decode step's do; the best of 5 passes, as GB/s of weights read, and whether
-   every output's bits equal oneDNN's.
+   stream from memory as a decode step's do; the best of 5 passes, as GB/s of weights read (the kernel's
+   panels in torch's ordinary pages and in the engine's huge-page arena; the speed-up is the arena's
+   over oneDNN), and whether every output's bits equal oneDNN's.
 2. Decode steps: the engine's one-step forward (the model prepared as the engine prepares it, a
-   160-position span, every row at position 120), kernel on and off, the median of 50 steps.
+   160-position span, every row at position 120), kernel off, on, and on with native blocks
+   (decode_block.py, what the engine runs), the median of 50 steps.
 
 Usage: .venv/bin/python bench/decode_kernel_bench.py [--threads 1] [--widths 1,2,4,8,16] [--dtypes float32,bfloat16]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -23,7 +26,9 @@ import torch
 from phalanx.models.decoder import KVCache, Transformer
 from phalanx.models.presets import MODEL_PRESETS
 from phalanx.models.token_pass import DecodeRows, decode_attention_dtype
+from phalanx.serve.engines.decode_block import NativeDecodeRows, native_blocks
 from phalanx.serve.engines.decode_kernel import KernelDecodeRows, decode_kernel_available, pack_panels, panel_linear
+from phalanx.serve.engines.huge_pages import HugePageArena
 from phalanx.serve.engines.row_invariant import make_rows_invariant
 from phalanx.serve.engines.torch_engine import _StepCache
 
@@ -35,6 +40,8 @@ def products(dtype: torch.dtype, width: int) -> dict:
     weights = [(torch.randn(*SHAPES[i % 6], generator=generator) / 30).to(dtype) for i in range(48)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
     panels = [pack_panels(w) for w in weights]
+    arena = HugePageArena(HugePageArena.room_for([q.numel() * q.element_size() for q in panels]))
+    huge = [arena.put(q) for q in panels]  # as the engine lays them (huge_pages.py)
     xs = {k: torch.randn(width, k, generator=generator).to(dtype) for k in (768, 1024)}
     onednn = torch.ops.mkldnn._linear_pointwise
     same = all(
@@ -53,19 +60,30 @@ def products(dtype: torch.dtype, width: int) -> dict:
 
     read = sum(w.numel() * w.element_size() for w in weights) / 1e9
     kernel = best(lambda x, w, p, q: panel_linear(x, q, w.shape[0]))
+    in_huge_pages = {id(q): h for q, h in zip(panels, huge)}
+    kernel_huge = best(lambda x, w, p, q: panel_linear(x, in_huge_pages[id(q)], w.shape[0]))
     baseline = best(lambda x, w, p, q: onednn(x, p, None, "none", [], ""))
-    return {"kernel_GBps": read / kernel, "onednn_GBps": read / baseline, "same_bits": same}
+    return {
+        "kernel_GBps": read / kernel,
+        "huge_GBps": read / kernel_huge,
+        "onednn_GBps": read / baseline,
+        "same_bits": same,
+    }
 
 
-def step_ms(dtype: torch.dtype, width: int, kernel: bool) -> float:
-    os.environ["PHALANX_DECODE_KERNEL"] = "1" if kernel else "0"
+def step_ms(dtype: torch.dtype, width: int, mode: str) -> float:
+    """mode: "off" (torch's products and attention), "kernel" (the kernel's products and attention, each
+    block's other ops from Python) or "native" (each block one native call, decode_block.py)."""
+    os.environ["PHALANX_DECODE_KERNEL"] = "0" if mode == "off" else "1"
     args = dataclasses.replace(MODEL_PRESETS["125m"], vocab_size=4096)
     torch.manual_seed(0)
     model = Transformer(args).to(dtype).eval()
     make_rows_invariant(model)
     cache_dtype = decode_attention_dtype(torch.device("cpu"), dtype)
     cache = KVCache(args, 16, 2048, dtype=cache_dtype, device=torch.device("cpu"))
-    rows = KernelDecodeRows if kernel else DecodeRows
+    rows = {"off": DecodeRows, "kernel": KernelDecodeRows}.get(mode) or functools.partial(
+        NativeDecodeRows, blocks=native_blocks(model)
+    )
     tokens, positions = torch.full((width, 1), 5), torch.full((width,), 120)
     times = []
     with torch.inference_mode():
@@ -88,21 +106,28 @@ def main() -> None:
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     if not all(decode_kernel_available(d) for d in dtypes):
         raise SystemExit("the decode kernel does not run here (AVX-512, avx512_bf16 for bf16, a C++ compiler)")
-    print(f"{args.threads} thread(s)\n\n| dtype | rows | kernel GB/s | oneDNN GB/s | speed-up | same bits |")
-    print("|---|---:|---:|---:|---:|---|")
+    print(
+        f"{args.threads} thread(s)\n\n| dtype | rows | kernel GB/s | in huge pages | oneDNN GB/s | speed-up | same bits |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|")
     for dtype in dtypes:
         for width in widths:
             r = products(dtype, width)
-            speedup = r["kernel_GBps"] / r["onednn_GBps"]
+            speedup = r["huge_GBps"] / r["onednn_GBps"]
             print(
-                f"| {str(dtype)[6:]} | {width} | {r['kernel_GBps']:.1f} | {r['onednn_GBps']:.1f} | {speedup:.2f}x"
+                f"| {str(dtype)[6:]} | {width} | {r['kernel_GBps']:.1f} | {r['huge_GBps']:.1f} | {r['onednn_GBps']:.1f}"
+                f" | {speedup:.2f}x"
                 f" | {'yes' if r['same_bits'] else 'NO'} |"
             )
-    print("\n| dtype | rows | step, kernel off | step, kernel on | speed-up |\n|---|---:|---:|---:|---:|")
+    print(
+        "\n| dtype | rows | step, kernel off | kernel on | native blocks | speed-up |\n|---|---:|---:|---:|---:|---:|"
+    )
     for dtype in dtypes:
         for width in (1, 16):
-            off, on = step_ms(dtype, width, False), step_ms(dtype, width, True)
-            print(f"| {str(dtype)[6:]} | {width} | {off:.1f} ms | {on:.1f} ms | {off / on:.2f}x |")
+            off, on, native = (step_ms(dtype, width, mode) for mode in ("off", "kernel", "native"))
+            print(
+                f"| {str(dtype)[6:]} | {width} | {off:.1f} ms | {on:.1f} ms | {native:.1f} ms | {off / native:.2f}x |"
+            )
 
 
 if __name__ == "__main__":
