@@ -142,7 +142,11 @@ struct DecodeBlock : torch::CustomClassHolder {
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor keys,
                      at::Tensor values) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "contiguous rows");
-    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions: int64");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+                "positions: (B,) int64");
+    TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
+                    cos.numel() == x.size(0) * head_dim && sin.numel() == cos.numel(),
+                "RoPE tables: (B, E) in the rows' dtype");
     TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "a float32 cache");
     TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.size(0) == x.size(0), "the step's cache rows");
     if (x.scalar_type() == at::kFloat) return run<float>(x, positions, cos, sin, keys, values);

@@ -10,9 +10,9 @@ shapes where a check at start finds every row's bits equal to oneDNN's (`panels_
 row_invariant.py); on a CPU where oneDNN sums otherwise (AMX tiles, another block size) it keeps oneDNN,
 and a request's tokens are the same alone and in a busy batch either way.
 
-torch's cpp_extension compiles the kernel on first use (about 6 s; kept in $XDG_CACHE_HOME/phalanx,
-~/.cache/phalanx by default). It is not used without a C++ compiler, without AVX-512 (avx512_bf16 for
-bfloat16 weights), or with PHALANX_DECODE_KERNEL=0. The panels are a third copy of the linear weights,
+torch's cpp_extension compiles the kernel, with the native decode block (decode_block.cpp), on first
+use (about 11 s; kept in $XDG_CACHE_HOME/phalanx, ~/.cache/phalanx by default). It is not used without a
+C++ compiler, without AVX-512 (avx512_bf16 for bfloat16 weights), or with PHALANX_DECODE_KERNEL=0. The panels are a third copy of the linear weights,
 beside the plain weights and oneDNN's packed ones, laid end to end in huge pages (huge_pages.py).
 """
 
