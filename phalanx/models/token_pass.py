@@ -4,7 +4,8 @@ The decoder's forward (models/decoder.py) is written once; what a training step,
 batched decode step, a batched prefill of several prompts (serve/engines/prefill.py) and context
 parallelism (parallel/context_parallel.py) do differently is only this: the positions RoPE rotates the
 tokens to, what each layer's queries attend to (and where new keys and values are kept), and which rows
-go on to the output head. Each of them is a TokenPass, handed to the forward as an argument.
+go on to the output head (and a server's decode step may run whole blocks natively: `run_layer`). Each of
+them is a TokenPass, handed to the forward as an argument.
 
 Shape suffixes: B batch, T new tokens, S keys, H query heads, K kv heads, G query heads per kv head,
 E head dim, X heads x head dim.
