@@ -49,20 +49,20 @@ def products(dtype: torch.dtype, width: int) -> dict:
         for w, p, q in zip(weights, packed, panels)
     )
 
-    def best(product) -> float:
+    def best(product, weights_as) -> float:
+        """product(x, w, weight_as) over every weight, weight_as the form it reads; the best of 5 passes."""
         times = []
         for _ in range(5):
             start = time.perf_counter()
-            for w, p, q in zip(weights, packed, panels):
-                product(xs[w.shape[1]], w, p, q)
+            for w, form in zip(weights, weights_as):
+                product(xs[w.shape[1]], w, form)
             times.append(time.perf_counter() - start)
         return min(times)
 
     read = sum(w.numel() * w.element_size() for w in weights) / 1e9
-    kernel = best(lambda x, w, p, q: panel_linear(x, q, w.shape[0]))
-    in_huge_pages = {id(q): h for q, h in zip(panels, huge)}
-    kernel_huge = best(lambda x, w, p, q: panel_linear(x, in_huge_pages[id(q)], w.shape[0]))
-    baseline = best(lambda x, w, p, q: onednn(x, p, None, "none", [], ""))
+    kernel = best(lambda x, w, q: panel_linear(x, q, w.shape[0]), panels)
+    kernel_huge = best(lambda x, w, q: panel_linear(x, q, w.shape[0]), huge)
+    baseline = best(lambda x, w, p: onednn(x, p, None, "none", [], ""), packed)
     return {
         "kernel_GBps": read / kernel,
         "huge_GBps": read / kernel_huge,

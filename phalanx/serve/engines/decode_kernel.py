@@ -12,8 +12,9 @@ and a request's tokens are the same alone and in a busy batch either way.
 
 torch's cpp_extension compiles the kernel, with the native decode block (decode_block.cpp), on first
 use (about 11 s; kept in $XDG_CACHE_HOME/phalanx, ~/.cache/phalanx by default). It is not used without a
-C++ compiler, without AVX-512 (avx512_bf16 for bfloat16 weights), or with PHALANX_DECODE_KERNEL=0. The panels are a third copy of the linear weights,
-beside the plain weights and oneDNN's packed ones, laid end to end in huge pages (huge_pages.py).
+C++ compiler, without AVX-512 (avx512_bf16 for bfloat16 weights), or with PHALANX_DECODE_KERNEL=0. The
+panels are a third copy of the linear weights, beside the plain weights and oneDNN's packed ones, laid
+end to end in huge pages (huge_pages.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ log = logging.getLogger("phalanx.serve")
 PANEL = 64  # outputs per panel: decode_kernel.cpp's four 16-lane accumulators
 BLOCK = 512  # oneDNN sums a row's inputs in blocks of this many, then adds the blocks (measured, both dtypes)
 KERNEL_ROWS = 16  # the widest product the kernel takes: the widths the checks at start cover
-_SOURCES = ["decode_kernel.cpp", "decode_block.cpp"]  # the products and attention; a whole block (decode_block.py)
+_SOURCES = ["decode_kernel.cpp", "decode_block.cpp"]  # the kernel's ops; the native block (decode_block.py)
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 
