@@ -103,3 +103,20 @@ def test_blocks_it_does_not_cover_keep_their_own_forward(monkeypatch):
     assert decode_step_rows(model, kernel=True).func is NativeDecodeRows
     monkeypatch.setenv("PHALANX_DECODE_BLOCK", "0")
     assert decode_step_rows(model, kernel=True) is KernelDecodeRows
+
+
+def test_a_block_refuses_rows_positions_or_tables_of_the_wrong_shape():
+    args = FAMILIES["llama"]
+    model = model_for(args, torch.float32)
+    block = native_blocks(model)[0]
+    cache = filled_cache(args, 2)
+    x, head = torch.randn(2, args.dim), args.dim // args.n_heads
+    cos, sin = torch.randn(2, head), torch.randn(2, head)
+    keys, values = cache.layer(0)
+    with pytest.raises(RuntimeError, match=r"positions: \(B,\) int64"):
+        block.forward(x, torch.tensor([3]), cos, sin, keys[:2], values[:2])
+    with pytest.raises(RuntimeError, match="RoPE tables"):
+        block.forward(x, torch.tensor([3, 4]), cos[:1], sin[:1], keys[:2], values[:2])
+    with pytest.raises(RuntimeError, match="within the step's cache span"):
+        block.forward(x, torch.tensor([3, args.max_seq_len]), cos, sin, keys[:2], values[:2])
+    assert block.forward(x, torch.tensor([3, 4]), cos, sin, keys[:2], values[:2]).shape == (2, args.dim)
