@@ -7,7 +7,7 @@ token match. Both take the same random tokens, gradient clipping at 1.0 and Adam
 torch's default, phalanx with build_optimizer). Each mode's steps alternate between the two systems in
 rounds, so a shared machine's load falls on both alike. phalanx's step, like train_step, sets glibc's
 malloc to keep freed memory (keep_freed_memory); that setting is the process's, so the minimal GPT's
-steps after the first run with it too (bench/cpu_train_malloc_ab.py measures it on and off).
+steps after the first run with it too (bench/cpu_train_ab.py --arms malloc measures it on and off).
 
     .venv/bin/python bench/cpu_train_vs_minimal_gpt.py --modes fp32,bf16,compile --rounds 5
     .venv/bin/python bench/cpu_train_vs_minimal_gpt.py --profile fp32   # top ops of phalanx's step

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.errors import PhalanxError
+from phalanx.models import cpu_attention
 
 
 def visible(q_pos_T: torch.Tensor, k_pos_S: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -95,6 +96,8 @@ class Causal(TokenPass):
         return slice(0, length)
 
     def attend(self, attention, q_BHTE, k_BKTE, v_BKTE):
+        if cpu_attention.applies(q_BHTE, attention.sliding_window):
+            return heads_last(cpu_attention.causal_attention(q_BHTE, k_BKTE, v_BKTE))
         return heads_last(causal_sdpa(q_BHTE, k_BKTE, v_BKTE, attention.sliding_window))
 
 

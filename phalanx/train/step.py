@@ -51,7 +51,7 @@ def keep_freed_memory() -> bool:
     kernel's zeroing per 4 KiB page, which in a virtual machine costs more than the arithmetic on it. At the
     CPU bench's shape (nanoGPT's, bf16 autocast) a step took 150-160 thousand page faults (600 MB of fresh
     pages), and none from the third step on with this: steps 1.10-1.13x as fast in bf16 and in float32
-    (bench/cpu_train_malloc_ab.py); torch.zeros(4096, 4096) takes 2.5 ms instead of 28 (one thread). With
+    (bench/cpu_train_ab.py --arms malloc); torch.zeros(4096, 4096) takes 2.5 ms instead of 28 (one thread). With
     mmap off (M_MMAP_MAX 0) every block comes from the heap and goes back to its free lists, and with
     trimming off the heap keeps its pages: the process holds on to its peak, which every step reaches
     again anyway (peak RSS 1290 MB against 1256 MB at that shape).

@@ -11,7 +11,7 @@ row_invariant.py); on a CPU where oneDNN sums otherwise (AMX tiles, another bloc
 and a request's tokens are the same alone and in a busy batch either way.
 
 torch's cpp_extension compiles the kernel, with the native decode block (decode_block.cpp), on first
-use (about 11 s; kept in $XDG_CACHE_HOME/phalanx, ~/.cache/phalanx by default). It is not used without a
+use (about 11 s; kept in $XDG_CACHE_HOME/phalanx, ~/.cache/phalanx by default: phalanx/native.py). It is not used without a
 C++ compiler, without AVX-512 (avx512_bf16 for bfloat16 weights), or with PHALANX_DECODE_KERNEL=0. The
 panels are a third copy of the linear weights, beside the plain weights and oneDNN's packed ones, laid
 end to end in huge pages (huge_pages.py).
@@ -20,16 +20,15 @@ end to end in huge pages (huge_pages.py).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from phalanx.models.token_pass import DecodeRows
+from phalanx.native import AVX512_BF16_FLAGS, load_library
 
 log = logging.getLogger("phalanx.serve")
 
@@ -37,7 +36,7 @@ PANEL = 64  # outputs per panel: decode_kernel.cpp's four 16-lane accumulators
 BLOCK = 512  # oneDNN sums a row's inputs in blocks of this many, then adds the blocks (measured, both dtypes)
 KERNEL_ROWS = 16  # the widest product the kernel takes: the widths the checks at start cover
 _SOURCES = ["decode_kernel.cpp", "decode_block.cpp"]  # the kernel's ops; the native block (decode_block.py)
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+_FLAGS = AVX512_BF16_FLAGS
 
 
 def decode_kernel_available(dtype: torch.dtype) -> bool:
@@ -51,34 +50,9 @@ def decode_kernel_available(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _compiled() -> bool:
-    """Build the kernel once per source, flags and torch (in a folder of its own, so that a build killed
-    halfway leaves no lock for the next process to wait on), keep it, and load it."""
-    from torch.utils import cpp_extension
-
+    """Build the kernel once per source, flags and torch, keep it, and load it (phalanx/native.py)."""
     here = Path(__file__).parent
-    sources = [here / name for name in _SOURCES]
-    text = b"".join(path.read_bytes() for path in sources + [here / "decode_kernel.h"])
-    key = hashlib.sha256(text + " ".join(_FLAGS + [torch.__version__]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "phalanx" / "decode_kernel"
-    kept = cache / f"phalanx_decode_kernel-{key}.so"
-    try:
-        if kept.exists():
-            torch.ops.load_library(str(kept))
-            return True
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as build:  # loads what it builds
-            cpp_extension.load(
-                "phalanx_decode_kernel",
-                [str(path) for path in sources],
-                extra_cflags=_FLAGS,
-                build_directory=build,
-                is_python_module=False,
-            )
-            os.replace(Path(build) / "phalanx_decode_kernel.so", kept)  # atomic: a racing build's copy is the same
-    except Exception as e:  # no compiler, one that refuses the flags, a cache we cannot write: oneDNN serves
-        log.warning("decode kernel not built (%s): decode steps stay on oneDNN", str(e).splitlines()[0])
-        return False
-    return True
+    return load_library("phalanx_decode_kernel", [here / name for name in _SOURCES], [here / "decode_kernel.h"], _FLAGS)
 
 
 def _panel_shape(out_features: int, in_features: int, dtype: torch.dtype) -> tuple[int, int]:

@@ -1,0 +1,85 @@
+"""Causal attention for bf16 training steps on the CPU (cpu_attention.cpp): the same result as torch's
+flash attention to bf16 rounding, about three times faster forward and backward on a CPU without AMX.
+
+Why by hand: torch's CPU flash attention runs its block products through MKL's bf16 GEMM, which on a CPU
+without AMX reaches about half of oneDNN's rate, so there a bf16 step attends slower than a float32 one
+and attention was a quarter of a bf16 training step (BENCHMARKS.md, issue 33). No other torch op computes
+attention at the matmul rate without keeping the T x T probabilities for the backward, and the planner
+counts what attention keeps: this one keeps what flash attention keeps (q, k, v, the output and its
+float32 logsumexp), and recomputes the scores in the backward.
+
+Used by Causal passes (training, evaluation, embeddings) where all of this holds, and SDPA serves
+otherwise: CPU tensors attended in bf16 (bf16 weights, or CPU autocast to bf16), plain tensors (not
+DTensor), eager mode, a head dim that is a multiple of 32, no sliding window shorter than the sequence, a
+CPU with avx512_bf16, a C++ compiler to build it once (phalanx/native.py), and PHALANX_CPU_ATTENTION not
+set to 0. It attends 64 queries at a time, so its scratch grows with T, not T^2.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from phalanx.native import AVX512_BF16_FLAGS, load_library
+
+
+@functools.cache
+def _built() -> bool:
+    if not (torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported()):
+        return False
+    return load_library("phalanx_attention", [Path(__file__).with_name("cpu_attention.cpp")], [], AVX512_BF16_FLAGS)
+
+
+def _attended_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA would attend in: CPU autocast's where it is on (SDPA is on its lower-precision
+    list), else q's."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+
+
+def applies(q_BHTE: torch.Tensor, window: int | None) -> bool:
+    """Whether causal_attention takes these queries (the keys and values have the same T)."""
+    T, E = q_BHTE.shape[2], q_BHTE.shape[3]
+    return (
+        q_BHTE.device.type == "cpu"
+        and type(q_BHTE) is torch.Tensor
+        and _attended_dtype(q_BHTE) == torch.bfloat16
+        and E % 32 == 0
+        and T > 1
+        and (window is None or T <= window)
+        and not torch.compiler.is_compiling()
+        and os.environ.get("PHALANX_CPU_ATTENTION", "1") != "0"
+        and _built()
+    )
+
+
+class _CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHTE, k_BKTE, v_BKTE):
+        scale = 1.0 / math.sqrt(q_BHTE.shape[-1])
+        out_BHTE, lse_BHT = torch.ops.phalanx_attention.causal_forward(q_BHTE, k_BKTE, v_BKTE, scale)
+        ctx.save_for_backward(q_BHTE, k_BKTE, v_BKTE, out_BHTE, lse_BHT)
+        ctx.scale = scale
+        return out_BHTE
+
+    @staticmethod
+    def backward(ctx, grad_BHTE):
+        q_BHTE, k_BKTE, v_BKTE, out_BHTE, lse_BHT = ctx.saved_tensors
+        if grad_BHTE.stride(-1) != 1:
+            grad_BHTE = grad_BHTE.contiguous()
+        return torch.ops.phalanx_attention.causal_backward(
+            q_BHTE, k_BKTE, v_BKTE, out_BHTE, lse_BHT, grad_BHTE, ctx.scale
+        )
+
+
+def causal_attention(q_BHTE, k_BKTE, v_BKTE) -> torch.Tensor:
+    """SDPA(q, k, v, is_causal=True, enable_gqa=True) where `applies`: (B, H, T, E) in bf16, its memory
+    laid out (B, T, H, E) as the output projection reads it."""
+    # Cast as autocast would cast SDPA's inputs, outside the Function so that autograd casts the
+    # gradients back.
+    q_BHTE, k_BKTE, v_BKTE = (x.to(torch.bfloat16) for x in (q_BHTE, k_BKTE, v_BKTE))
+    q_BHTE, k_BKTE, v_BKTE = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_BHTE, k_BKTE, v_BKTE))
+    return _CausalAttention.apply(q_BHTE, k_BKTE, v_BKTE)
