@@ -6,9 +6,9 @@ that (what the dynamic rule sets), mmap allowed, and malloc_trim before each of 
 from pages handed back, as it would after the previous step's frees). Arm "kept" is
 phalanx.train.step.keep_freed_memory's setting: no mmap, no trimming.
 
-`--arms attention`: a bf16 step's attention through SDPA (torch's flash kernel) against phalanx's own CPU
+`--arms attention`: the step's attention through SDPA (torch's flash kernel) against phalanx's own CPU
 kernel (phalanx/models/cpu_attention.py), switched by PHALANX_CPU_ATTENTION, with malloc as the trainer
-sets it. fp32 steps take SDPA in both arms.
+sets it. The minimal GPT takes SDPA in both arms: its figures are the control.
 
 The model and step are
 cpu_train_vs_minimal_gpt.py's (nanoGPT's shape); the minimal GPT is timed under both arms too. The
@@ -16,7 +16,7 @@ cpu_train_vs_minimal_gpt.py's (nanoGPT's shape); the minimal GPT is timed under 
 after, and the load average with each figure.
 
     .venv/bin/python bench/cpu_train_ab.py --arms malloc --modes bf16,fp32 --steps 12
-    .venv/bin/python bench/cpu_train_ab.py --arms attention --modes bf16 --steps 10
+    .venv/bin/python bench/cpu_train_ab.py --arms attention --modes bf16,fp32 --steps 10
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
-"""Causal attention for bf16 training steps on the CPU (cpu_attention.cpp): the same result as torch's
-flash attention to bf16 rounding, about three times faster forward and backward on a CPU without AMX.
+"""Causal attention for training steps on the CPU (cpu_attention.cpp), in bf16 and float32: torch's flash
+attention's result to float rounding, two to three times faster forward and backward.
 
-Why by hand: torch's CPU flash attention runs its block products through MKL's bf16 GEMM, which on a CPU
-without AMX reaches about half of oneDNN's rate, so there a bf16 step attends slower than a float32 one
-and attention was a quarter of a bf16 training step (BENCHMARKS.md, issue 33). No other torch op computes
-attention at the matmul rate without keeping the T x T probabilities for the backward, and the planner
-counts what attention keeps: this one keeps what flash attention keeps (q, k, v, the output and its
-float32 logsumexp), and recomputes the scores in the backward.
+Why by hand: torch's CPU flash attention runs its block products through MKL's GEMM; in bf16 on a CPU
+without AMX that reaches about half of oneDNN's rate, so a bf16 step attended slower than a float32 one,
+and attention was a quarter of a bf16 training step (BENCHMARKS.md, issue 33). No other torch op attends
+at the matmul rate without keeping the T x T probabilities for the backward, and the planner counts what
+attention keeps: this one keeps what flash attention keeps (q, k, v, the output and its float32
+logsumexp), and recomputes the scores in the backward.
 
 Used by Causal passes (training, evaluation, embeddings) where all of this holds, and SDPA serves
-otherwise: CPU tensors attended in bf16 (bf16 weights, or CPU autocast to bf16), plain tensors (not
-DTensor), eager mode, a head dim that is a multiple of 32, no sliding window shorter than the sequence, a
-CPU with avx512_bf16, a C++ compiler to build it once (phalanx/native.py), and PHALANX_CPU_ATTENTION not
-set to 0. It attends 64 queries at a time, so its scratch grows with T, not T^2.
+otherwise: CPU tensors attended in bf16 or float32 (the weights' dtype, or CPU autocast's), plain tensors
+(not DTensor), eager mode, more than one token, a head dim that is a multiple of 32, no sliding window
+shorter than the sequence, a CPU with avx512_bf16, a C++ compiler to build it once (phalanx/native.py),
+and PHALANX_CPU_ATTENTION not set to 0. It attends 64 queries at a time, so its scratch grows with T, not
+T^2.
 """
 
 from __future__ import annotations
@@ -27,8 +28,15 @@ import torch
 from phalanx.native import AVX512_BF16_FLAGS, load_library
 
 
+def ready() -> bool:
+    """Whether the kernel is on and loaded, building it first where this machine has no build of it yet
+    (about 10 s, once). The trainer calls it at start, so that the build falls in the start's time limit
+    rather than the first step's."""
+    return os.environ.get("PHALANX_CPU_ATTENTION", "1") != "0" and _loaded()
+
+
 @functools.cache
-def _built() -> bool:
+def _loaded() -> bool:
     if not (torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported()):
         return False
     return load_library("phalanx_attention", [Path(__file__).with_name("cpu_attention.cpp")], [], AVX512_BF16_FLAGS)
@@ -46,13 +54,12 @@ def applies(q_BHTE: torch.Tensor, window: int | None) -> bool:
     return (
         q_BHTE.device.type == "cpu"
         and type(q_BHTE) is torch.Tensor
-        and _attended_dtype(q_BHTE) == torch.bfloat16
+        and _attended_dtype(q_BHTE) in (torch.bfloat16, torch.float32)
         and E % 32 == 0
         and T > 1
         and (window is None or T <= window)
         and not torch.compiler.is_compiling()
-        and os.environ.get("PHALANX_CPU_ATTENTION", "1") != "0"
-        and _built()
+        and ready()
     )
 
 
@@ -76,10 +83,11 @@ class _CausalAttention(torch.autograd.Function):
 
 
 def causal_attention(q_BHTE, k_BKTE, v_BKTE) -> torch.Tensor:
-    """SDPA(q, k, v, is_causal=True, enable_gqa=True) where `applies`: (B, H, T, E) in bf16, its memory
-    laid out (B, T, H, E) as the output projection reads it."""
+    """SDPA(q, k, v, is_causal=True, enable_gqa=True) where `applies`: (B, H, T, E) in the attended dtype,
+    its memory laid out (B, T, H, E) as the output projection reads it."""
     # Cast as autocast would cast SDPA's inputs, outside the Function so that autograd casts the
     # gradients back.
-    q_BHTE, k_BKTE, v_BKTE = (x.to(torch.bfloat16) for x in (q_BHTE, k_BKTE, v_BKTE))
+    dtype = _attended_dtype(q_BHTE)
+    q_BHTE, k_BKTE, v_BKTE = (x.to(dtype) for x in (q_BHTE, k_BKTE, v_BKTE))
     q_BHTE, k_BKTE, v_BKTE = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_BHTE, k_BKTE, v_BKTE))
     return _CausalAttention.apply(q_BHTE, k_BKTE, v_BKTE)

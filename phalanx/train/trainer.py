@@ -27,6 +27,7 @@ from phalanx.data.loader import check_batch_sizes
 from phalanx.data.mixture_sources import train_loader
 from phalanx.data.tokenizer import load_tokenizer, special_tokens
 from phalanx.errors import PreemptedError
+from phalanx.models import cpu_attention
 from phalanx.models.flops import achieved_tflops, flops_per_token, mfu, peak_tflops
 from phalanx.models.from_config import model_args
 from phalanx.models.lora import quantize_base
@@ -116,6 +117,8 @@ class Trainer:
             why = "this CPU has bf16 matrix units" if dtype == torch.bfloat16 else "this CPU has no bf16 matrix units"
             name = "bfloat16 autocast" if dtype == torch.bfloat16 else "float32"
             notice(f"train.dtype auto: {name} ({why}; train.dtype=float32 or bfloat16 sets it)", env.is_main)
+        if env.device.type == "cpu":
+            cpu_attention.ready()
         # Built on the meta device and materialised shard by shard: the same weights under any layout.
         self.model = build_parallel_model(
             self.args,
