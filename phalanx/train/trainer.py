@@ -117,7 +117,7 @@ class Trainer:
             why = "this CPU has bf16 matrix units" if dtype == torch.bfloat16 else "this CPU has no bf16 matrix units"
             name = "bfloat16 autocast" if dtype == torch.bfloat16 else "float32"
             notice(f"train.dtype auto: {name} ({why}; train.dtype=float32 or bfloat16 sets it)", env.is_main)
-        if env.device.type == "cpu":
+        if env.device.type == "cpu":  # a first build of the CPU attention kernel (~10 s) counts as start-up
             cpu_attention.ready()
         # Built on the meta device and materialised shard by shard: the same weights under any layout.
         self.model = build_parallel_model(

@@ -11,16 +11,15 @@ row_invariant.py); on a CPU where oneDNN sums otherwise (AMX tiles, another bloc
 and a request's tokens are the same alone and in a busy batch either way.
 
 torch's cpp_extension compiles the kernel, with the native decode block (decode_block.cpp), on first
-use (about 11 s; kept in $XDG_CACHE_HOME/phalanx, ~/.cache/phalanx by default: phalanx/native.py). It is not used without a
-C++ compiler, without AVX-512 (avx512_bf16 for bfloat16 weights), or with PHALANX_DECODE_KERNEL=0. The
-panels are a third copy of the linear weights, beside the plain weights and oneDNN's packed ones, laid
-end to end in huge pages (huge_pages.py).
+use (about 11 s; kept in $XDG_CACHE_HOME/phalanx, ~/.cache/phalanx by default: phalanx/native.py). It
+is not used without a C++ compiler, without AVX-512 (avx512_bf16 for bfloat16 weights), or with
+PHALANX_DECODE_KERNEL=0. The panels are a third copy of the linear weights, beside the plain weights and
+oneDNN's packed ones, laid end to end in huge pages (huge_pages.py).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 from pathlib import Path
@@ -29,8 +28,6 @@ import torch
 
 from phalanx.models.token_pass import DecodeRows
 from phalanx.native import AVX512_BF16_FLAGS, load_library
-
-log = logging.getLogger("phalanx.serve")
 
 PANEL = 64  # outputs per panel: decode_kernel.cpp's four 16-lane accumulators
 BLOCK = 512  # oneDNN sums a row's inputs in blocks of this many, then adds the blocks (measured, both dtypes)
