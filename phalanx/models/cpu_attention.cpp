@@ -8,6 +8,10 @@
 // float32), 64 queries at a time over the causal triangle's rows, so that a block's scores and gradients
 // stay in its core's L2.
 //
+// Given RoPE's tables, it takes q and k unrotated and rotates them as it packs them (rounded once to the
+// element type), and turns their gradients back the same way: RoPE's own passes over q, k and their
+// gradients go.
+//
 // Numerics follow torch's flash kernel: scores, softmax, logsumexp and the gradient's row sums in float32;
 // in bf16 the probabilities and dS are rounded (to nearest even) for the products that read them. Each
 // (batch, kv head) item is computed by one thread in a fixed order, so results do not depend on the
@@ -27,6 +31,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -180,6 +185,46 @@ struct Rows {
   }
 };
 
+// RoPE in rotate_half's layout (models/rope.py): tables (T, E) in the element type, rotate_half's minus
+// sign on the first half of sin, so that rotated x[e] = x[e] cos[e] + x[e +- E/2] signed_sin[e], computed
+// in float32 and rounded once. Without tables (cos null) nothing is rotated.
+template <int W>
+struct Rope {
+  using T = typename Elem<W>::T;
+  const T* cos = nullptr;
+  const T* sin = nullptr;
+
+  // x's rows rotated, as as_rows lays them out: out[Tp][E], zeros past T.
+  void rows(const Rows<W>& x, int64_t Tp, int64_t E, uint32_t* out) const {
+    if (cos == nullptr) return x.as_rows(Tp, E, out);
+    T* y = reinterpret_cast<T*>(out);
+    const int64_t half = E / 2;
+    for (int64_t t = 0; t < x.T_; ++t) {
+      const T *r = x.row(t), *c = cos + t * E, *s = sin + t * E;
+      for (int64_t e = 0; e < half; e += 16) {
+        const __m512 a = Elem<W>::load(r + e), b = Elem<W>::load(r + e + half);
+        Elem<W>::store(y + t * E + e, _mm512_fmadd_ps(a, Elem<W>::load(c + e), _mm512_mul_ps(b, Elem<W>::load(s + e))));
+        Elem<W>::store(y + t * E + e + half,
+                       _mm512_fmadd_ps(b, Elem<W>::load(c + e + half), _mm512_mul_ps(a, Elem<W>::load(s + e + half))));
+      }
+    }
+    std::memset(y + x.T_ * E, 0, (Tp - x.T_) * E * sizeof(T));
+  }
+  // Row t's gradient for the unrotated x from the rotated one's, g (E float32), in place:
+  // dx = g cos + swap_halves(g signed_sin).
+  void unrotate(float* g, int64_t t, int64_t E) const {
+    if (cos == nullptr) return;
+    const T *c = cos + t * E, *s = sin + t * E;
+    const int64_t half = E / 2;
+    for (int64_t e = 0; e < half; e += 16) {
+      const __m512 ga = _mm512_loadu_ps(g + e), gb = _mm512_loadu_ps(g + e + half);
+      _mm512_storeu_ps(g + e, _mm512_fmadd_ps(ga, Elem<W>::load(c + e), _mm512_mul_ps(gb, Elem<W>::load(s + e + half))));
+      _mm512_storeu_ps(g + e + half,
+                       _mm512_fmadd_ps(gb, Elem<W>::load(c + e + half), _mm512_mul_ps(ga, Elem<W>::load(s + e))));
+    }
+  }
+};
+
 // p[0..n) = softmax(s[0..n) * sc), zeros on to `edge`; s is overwritten; returns the row's logsumexp.
 template <int W>
 float softmax_row(float* s, int64_t n, float sc, typename Elem<W>::T* p, int64_t edge) {
@@ -249,14 +294,16 @@ float dot(const typename Elem<W>::T* a, const typename Elem<W>::T* b, int64_t n)
   return _mm512_reduce_add_ps(acc);
 }
 
-// y[t][e] = x[e][t] for t < T, e < E: x is (E, Tp) float32, y's rows `step` apart; `rows` holds x
-// transposed on the way.
+// y[t][e] = x[e][t] for t < T, e < E, rope's gradient rotation undone on each row: x is (E, Tp) float32,
+// y's rows `step` apart; `rows` holds x transposed on the way.
 template <int W>
-void store_transposed(const float* x, int64_t Tp, int64_t T, int64_t E, float* rows, typename Elem<W>::T* y,
-                      int64_t step) {
+void store_transposed(const float* x, int64_t Tp, int64_t T, int64_t E, const Rope<W>& rope, float* rows,
+                      typename Elem<W>::T* y, int64_t step) {
   transpose(reinterpret_cast<const uint32_t*>(x), E, Tp, reinterpret_cast<uint32_t*>(rows));
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < T; ++t) {
+    rope.unrotate(rows + t * E, t, E);
     for (int64_t e = 0; e < E; e += 16) Elem<W>::store(y + t * step + e, _mm512_loadu_ps(rows + t * E + e));
+  }
 }
 
 struct Shape {
@@ -294,8 +341,8 @@ typename Elem<W>::T* data(at::Tensor& x) {
 }
 
 template <int W>
-void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc, const Shape& s, at::Tensor& o,
-             at::Tensor& lse) {
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc, const Rope<W>& rope,
+             const Shape& s, at::Tensor& o, at::Tensor& lse) {
   using T = typename Elem<W>::T;
   const int64_t G = s.H / s.KV, E = s.E, Tp = s.Tp;
   T* o_data = data<W>(o);
@@ -305,10 +352,11 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, floa
     std::vector<float> S(QB * Tp), out(QB * E);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / s.KV, kvh = item % s.KV;
-      head<W>(k, b, kvh).as_transposed(Tp, E, qa.data(), kt.data());
+      rope.rows(head<W>(k, b, kvh), Tp, E, qa.data());
+      transpose(qa.data(), Tp, E / W, kt.data());
       head<W>(v, b, kvh).as_steps(Tp, E, vs.data());
       for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
-        head<W>(q, b, h).as_rows(Tp, E, qa.data());
+        rope.rows(head<W>(q, b, h), Tp, E, qa.data());
         float* row_lse = lse_data + (b * s.H + h) * s.T;
         for (int64_t i0 = 0; i0 < s.T; i0 += QB) {
           // S = q k^T, the lower triangle to each row tile's edge
@@ -335,28 +383,29 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, floa
 
 template <int W>
 void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
-              const at::Tensor& lse, const at::Tensor& d_o, float sc, const Shape& s, at::Tensor& dq, at::Tensor& dk,
-              at::Tensor& dv) {
+              const at::Tensor& lse, const at::Tensor& d_o, float sc, const Rope<W>& rope, const Shape& s,
+              at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   using T = typename Elem<W>::T;
   const int64_t G = s.H / s.KV, E = s.E, Tp = s.Tp;
   const float* lse_data = lse.data_ptr<float>();
   T *dq_data = data<W>(dq), *dk_data = data<W>(dk), *dv_data = data<W>(dv);
   at::parallel_for(0, s.B * s.KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> kt(E / W * Tp), vt(E / W * Tp), ks(Tp / W * E), qa(Tp * E / W), da(Tp * E / W),
+    std::vector<uint32_t> kt(E / W * Tp), vt(E / W * Tp), ks(Tp / W * E), ka(Tp * E / W), qa(Tp * E / W), da(Tp * E / W),
         qts(E * Tp / W), dts(E * Tp / W), steps(Tp / W * E), p_steps(QB / W * Tp), ds_steps(QB / W * Tp),
         ds_rows(QB * Tp / W);
     std::vector<float> S(QB * Tp), dP(QB * Tp), dqf(QB * E), dkt(E * Tp), dvt(E * Tp), D(Tp), rows_t(Tp * E);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / s.KV, kvh = item % s.KV;
-      const Rows<W> K = head<W>(k, b, kvh), V = head<W>(v, b, kvh);
-      K.as_transposed(Tp, E, qa.data(), kt.data());
-      V.as_transposed(Tp, E, qa.data(), vt.data());
+      rope.rows(head<W>(k, b, kvh), Tp, E, ka.data());  // k as the products read it: rotated
+      const Rows<W> K{reinterpret_cast<const T*>(ka.data()), E, s.T};
+      transpose(ka.data(), Tp, E / W, kt.data());
       K.as_steps(Tp, E, ks.data());
+      head<W>(v, b, kvh).as_transposed(Tp, E, qa.data(), vt.data());
       std::fill(dkt.begin(), dkt.end(), 0.f);
       std::fill(dvt.begin(), dvt.end(), 0.f);
       for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
-        const Rows<W> Q = head<W>(q, b, h), dO = head<W>(d_o, b, h), O = head<W>(o, b, h);
-        Q.as_rows(Tp, E, qa.data());
+        rope.rows(head<W>(q, b, h), Tp, E, qa.data());
+        const Rows<W> Q{reinterpret_cast<const T*>(qa.data()), E, s.T}, dO = head<W>(d_o, b, h), O = head<W>(o, b, h);
         dO.as_rows(Tp, E, da.data());
         Q.as_transposed_steps(Tp, E, steps.data(), qts.data());
         dO.as_transposed_steps(Tp, E, steps.data(), dts.data());
@@ -375,9 +424,12 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
           // dq = dS k
           product<W>(ds_rows.data(), Tp / W, ks.data(), E, dqf.data(), E, QB, [&](int64_t) { return E; },
                      [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, cols / W); });
-          for (int64_t i = i0; i < std::min(s.T, i0 + QB); ++i)
+          for (int64_t i = i0; i < std::min(s.T, i0 + QB); ++i) {
+            float* row = dqf.data() + (i - i0) * E;
+            rope.unrotate(row, i, E);
             for (int64_t e = 0; e < E; e += 16)
-              Elem<W>::store(dq_data + ((b * s.T + i) * s.H + h) * E + e, _mm512_loadu_ps(dqf.data() + (i - i0) * E + e));
+              Elem<W>::store(dq_data + ((b * s.T + i) * s.H + h) * E + e, _mm512_loadu_ps(row + e));
+          }
           // dk^T += q^T dS, dv^T += dO^T P over these queries, for the keys they see
           const auto block = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, QB / W); };
           const auto seen = [&](int64_t) { return cols; };
@@ -385,32 +437,48 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
           product<W>(dts.data() + i0 / W, Tp / W, p_steps.data(), Tp, dvt.data(), Tp, E, seen, block, true);
         }
       }
-      store_transposed<W>(dkt.data(), Tp, s.T, E, rows_t.data(), dk_data + (b * s.T * s.KV + kvh) * E, s.KV * E);
-      store_transposed<W>(dvt.data(), Tp, s.T, E, rows_t.data(), dv_data + (b * s.T * s.KV + kvh) * E, s.KV * E);
+      store_transposed<W>(dkt.data(), Tp, s.T, E, rope, rows_t.data(), dk_data + (b * s.T * s.KV + kvh) * E, s.KV * E);
+      store_transposed<W>(dvt.data(), Tp, s.T, E, Rope<W>{}, rows_t.data(), dv_data + (b * s.T * s.KV + kvh) * E, s.KV * E);
     }
   });
 }
 
+// The tables, where given: (T, E) in q's dtype, contiguous.
+template <int W>
+Rope<W> rope_of(const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, const at::Tensor& q) {
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and signed_sin come together");
+  if (!cos) return {};
+  for (const at::Tensor* table : {&*cos, &*sin})
+    TORCH_CHECK(table->dim() == 2 && table->size(0) == q.size(2) && table->size(1) == q.size(3) &&
+                    table->scalar_type() == q.scalar_type() && table->is_contiguous(),
+                "RoPE tables: (T, E) of q's dtype, contiguous");
+  using T = typename Elem<W>::T;
+  return {static_cast<const T*>(cos->data_ptr()), static_cast<const T*>(sin->data_ptr())};
+}
+
 }  // namespace
 
-// q (B, H, T, E), k and v (B, KV, T, E) (see shape_of). Returns o (B, H, T, E) over a (B, T, H, E)
-// tensor, and lse (B, H, T) float32.
+// q (B, H, T, E), k and v (B, KV, T, E) (see shape_of); with RoPE's tables, q and k before their rotation
+// (Rope). Returns o (B, H, T, E) over a (B, T, H, E) tensor, and lse (B, H, T) float32.
 std::tuple<at::Tensor, at::Tensor> causal_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  double scale) {
+                                                  double scale, const std::optional<at::Tensor>& cos,
+                                                  const std::optional<at::Tensor>& signed_sin) {
   const Shape s = shape_of(q, k, v);
   at::Tensor o = at::empty({s.B, s.T, s.H, s.E}, q.options());
   at::Tensor lse = at::empty({s.B, s.H, s.T}, q.options().dtype(at::kFloat));
-  if (q.scalar_type() == at::kBFloat16) forward<2>(q, k, v, static_cast<float>(scale), s, o, lse);
-  else forward<1>(q, k, v, static_cast<float>(scale), s, o, lse);
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == at::kBFloat16) forward<2>(q, k, v, sc, rope_of<2>(cos, signed_sin, q), s, o, lse);
+  else forward<1>(q, k, v, sc, rope_of<1>(cos, signed_sin, q), s, o, lse);
   return {o.transpose(1, 2), lse};
 }
 
-// The gradients of causal_forward's q, k, v, given its o and lse and o's gradient (B, H, T, E). Returns
-// dq, dk, dv in the layout causal_forward returns o.
+// The gradients of causal_forward's q, k, v (unrotated, where it had tables), given its o and lse and o's
+// gradient (B, H, T, E). Returns dq, dk, dv in the layout causal_forward returns o.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_backward(const at::Tensor& q, const at::Tensor& k,
                                                                const at::Tensor& v, const at::Tensor& o,
                                                                const at::Tensor& lse, const at::Tensor& d_o,
-                                                               double scale) {
+                                                               double scale, const std::optional<at::Tensor>& cos,
+                                                               const std::optional<at::Tensor>& signed_sin) {
   const Shape s = shape_of(q, k, v);
   check(o, q, "o");
   check(d_o, q, "grad");
@@ -420,16 +488,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_backward(const at::Tensor&
   at::Tensor dq = at::empty({s.B, s.T, s.H, s.E}, q.options());
   at::Tensor dk = at::empty({s.B, s.T, s.KV, s.E}, q.options());
   at::Tensor dv = at::empty({s.B, s.T, s.KV, s.E}, q.options());
-  if (q.scalar_type() == at::kBFloat16) backward<2>(q, k, v, o, lse_c, d_o, static_cast<float>(scale), s, dq, dk, dv);
-  else backward<1>(q, k, v, o, lse_c, d_o, static_cast<float>(scale), s, dq, dk, dv);
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == at::kBFloat16)
+    backward<2>(q, k, v, o, lse_c, d_o, sc, rope_of<2>(cos, signed_sin, q), s, dq, dk, dv);
+  else
+    backward<1>(q, k, v, o, lse_c, d_o, sc, rope_of<1>(cos, signed_sin, q), s, dq, dk, dv);
   return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
 }
 
 TORCH_LIBRARY(phalanx_attention, m) {
-  m.def("causal_forward(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
   m.def(
-      "causal_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad, float scale) -> (Tensor, "
-      "Tensor, Tensor)");
+      "causal_forward(Tensor q, Tensor k, Tensor v, float scale, Tensor? cos=None, Tensor? signed_sin=None) -> "
+      "(Tensor, Tensor)");
+  m.def(
+      "causal_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad, float scale, Tensor? cos=None, "
+      "Tensor? signed_sin=None) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(phalanx_attention, CPU, m) {

@@ -69,29 +69,42 @@ def applies(q_BHTE: torch.Tensor, window: int | None) -> bool:
 
 class _CausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHTE, k_BKTE, v_BKTE):
+    def forward(ctx, q_BHTE, k_BKTE, v_BKTE, cos_TE, signed_sin_TE):
         scale = 1.0 / math.sqrt(q_BHTE.shape[-1])
-        out_BHTE, lse_BHT = torch.ops.phalanx_attention.causal_forward(q_BHTE, k_BKTE, v_BKTE, scale)
-        ctx.save_for_backward(q_BHTE, k_BKTE, v_BKTE, out_BHTE, lse_BHT)
+        out_BHTE, lse_BHT = torch.ops.phalanx_attention.causal_forward(
+            q_BHTE, k_BKTE, v_BKTE, scale, cos_TE, signed_sin_TE
+        )
+        ctx.save_for_backward(q_BHTE, k_BKTE, v_BKTE, out_BHTE, lse_BHT, cos_TE, signed_sin_TE)
         ctx.scale = scale
         return out_BHTE
 
     @staticmethod
     def backward(ctx, grad_BHTE):
-        q_BHTE, k_BKTE, v_BKTE, out_BHTE, lse_BHT = ctx.saved_tensors
+        q_BHTE, k_BKTE, v_BKTE, out_BHTE, lse_BHT, cos_TE, signed_sin_TE = ctx.saved_tensors
         if grad_BHTE.stride(-1) != 1:
             grad_BHTE = grad_BHTE.contiguous()
-        return torch.ops.phalanx_attention.causal_backward(
-            q_BHTE, k_BKTE, v_BKTE, out_BHTE, lse_BHT, grad_BHTE, ctx.scale
+        grads = torch.ops.phalanx_attention.causal_backward(
+            q_BHTE, k_BKTE, v_BKTE, out_BHTE, lse_BHT, grad_BHTE, ctx.scale, cos_TE, signed_sin_TE
         )
+        return *grads, None, None
 
 
-def causal_attention(q_BHTE, k_BKTE, v_BKTE) -> torch.Tensor:
+def rotates(q_BHTE: torch.Tensor, rope) -> bool:
+    """Whether causal_attention can take q and k unrotated with these tables (rope_rotation's): one row
+    per token, as wide as a head."""
+    return all(table.shape == (q_BHTE.shape[2], q_BHTE.shape[3]) for table in rope)
+
+
+def causal_attention(q_BHTE, k_BKTE, v_BKTE, rope=None) -> torch.Tensor:
     """SDPA(q, k, v, is_causal=True, enable_gqa=True) where `applies`: (B, H, T, E) in the attended dtype,
-    its memory laid out (B, T, H, E) as the output projection reads it."""
+    its memory laid out (B, T, H, E) as the output projection reads it. rope: RoPE's (cos, signed sin)
+    tables for the T positions (rope_rotation's, where `rotates`): q and k come unrotated, and the kernel
+    rotates them as it reads them (rounded once to the attended dtype) and their gradients back, which
+    saves RoPE's passes over q and k and over their gradients."""
     # Cast as autocast would cast SDPA's inputs, outside the Function so that autograd casts the
     # gradients back.
     dtype = _attended_dtype(q_BHTE)
     q_BHTE, k_BKTE, v_BKTE = (x.to(dtype) for x in (q_BHTE, k_BKTE, v_BKTE))
     q_BHTE, k_BKTE, v_BKTE = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_BHTE, k_BKTE, v_BKTE))
-    return _CausalAttention.apply(q_BHTE, k_BKTE, v_BKTE)
+    cos_TE, signed_sin_TE = (None, None) if rope is None else (t.to(dtype).contiguous() for t in rope)
+    return _CausalAttention.apply(q_BHTE, k_BKTE, v_BKTE, cos_TE, signed_sin_TE)

@@ -26,7 +26,7 @@ from phalanx.models.fused_linear import shared_input_linears
 from phalanx.models.mla import LatentAttention
 from phalanx.models.moe import MoE
 from phalanx.models.rms_norm import RMSNorm
-from phalanx.models.rope import model_rope_tables, rope_dtype, rope_rotation, rotate
+from phalanx.models.rope import model_rope_tables, rope_dtype, rope_rotation
 from phalanx.models.token_pass import Causal, TokenPass
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
@@ -267,9 +267,9 @@ class Attention(nn.Module):
         k_BTKE = k_BTX.view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
-        q_BHTE, k_BKTE = rotate(q_BTHE.transpose(1, 2), *rope), rotate(k_BTKE.transpose(1, 2), *rope)
         v_BKTE = v_BTX.view(B, T, -1, self.head_dim).transpose(1, 2)
-        return self.wo(token_pass.attend(self, q_BHTE, k_BKTE, v_BKTE))
+        attended = token_pass.attend_rotating(self, q_BTHE.transpose(1, 2), k_BTKE.transpose(1, 2), v_BKTE, rope)
+        return self.wo(attended)
 
 
 class TransformerBlock(nn.Module):

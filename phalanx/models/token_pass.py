@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from phalanx.errors import PhalanxError
 from phalanx.models import cpu_attention
+from phalanx.models.rope import rotate
 
 
 def visible(q_pos_T: torch.Tensor, k_pos_S: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -67,6 +68,11 @@ class TokenPass:
         layer (its `layer_index`, head counts and `sliding_window`)."""
         raise NotImplementedError
 
+    def attend_rotating(self, attention, q_BHTE, k_BKTE, v_BKTE, rope) -> torch.Tensor:
+        """`attend` of q and k rotated by RoPE's tables (rope_rotation's cos and signed sin): rotated here
+        by default; a training pass may rotate them inside its attention kernel instead."""
+        return self.attend(attention, rotate(q_BHTE, *rope), rotate(k_BKTE, *rope), v_BKTE)
+
     def head_rows(self, h_BTD: torch.Tensor) -> torch.Tensor:
         """The rows that go through the final norm and the output head: all of them by default."""
         return h_BTD
@@ -99,6 +105,11 @@ class Causal(TokenPass):
         if cpu_attention.applies(q_BHTE, attention.sliding_window):
             return heads_last(cpu_attention.causal_attention(q_BHTE, k_BKTE, v_BKTE))
         return heads_last(causal_sdpa(q_BHTE, k_BKTE, v_BKTE, attention.sliding_window))
+
+    def attend_rotating(self, attention, q_BHTE, k_BKTE, v_BKTE, rope):
+        if cpu_attention.applies(q_BHTE, attention.sliding_window) and cpu_attention.rotates(q_BHTE, rope):
+            return heads_last(cpu_attention.causal_attention(q_BHTE, k_BKTE, v_BKTE, rope))
+        return super().attend_rotating(attention, q_BHTE, k_BKTE, v_BKTE, rope)
 
 
 class Cached(TokenPass):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from phalanx.models import cpu_attention
 from phalanx.models.decoder import ModelArgs, Transformer
+from phalanx.models.rope import rope_rotation, rope_tables, rotate
 
 pytestmark = pytest.mark.skipif(
     not (torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported()),
@@ -60,6 +61,31 @@ def test_output_and_gradients_are_sdpa_within_what_flash_itself_misses(B, H, KV,
         err, flash_err = ((x.double() - want).abs().max().item() for x in (got, theirs))
         scale = want.abs().max().item()
         assert err <= max(2 * flash_err, rounding * scale, 1e-6), (name, err, flash_err)  # 1e-6: one token's dq is 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotating_inside_the_kernel_is_rope_then_sdpa(dtype):
+    """Unrotated q and k with RoPE's tables: the output and the gradients of the unrotated q, k, v are
+    those of rotate() then SDPA, in float64, within what flash itself misses there."""
+    kernel_or_skip()
+    B, H, KV, T, E = 2, 4, 2, 90, 64
+    cos, sin = rope_tables(E, T, 10000.0)
+    q, k, v = heads(B, H, T, E, 0, dtype), heads(B, KV, T, E, 1, dtype), heads(B, KV, T, E, 2, dtype)
+    grad = heads(B, H, T, E, 3, dtype)
+
+    def rotated(attention, table_dtype):
+        tables = rope_rotation(cos, sin, table_dtype)
+        return lambda q, k, v: attention(rotate(q, *tables), rotate(k, *tables), v)
+
+    exact = attend(rotated(sdpa, torch.float64), *(x.double() for x in (q, k, v)), grad.double())
+    flash = attend(rotated(sdpa, dtype), q, k, v, grad)
+    ours = attend(
+        lambda q, k, v: cpu_attention.causal_attention(q, k, v, rope_rotation(cos, sin, dtype)), q, k, v, grad
+    )
+    rounding = 2**-8 if dtype == torch.bfloat16 else 2**-23
+    for name, got, theirs, want in zip(("out", "dq", "dk", "dv"), ours, flash, exact):
+        err, flash_err = ((x.double() - want).abs().max().item() for x in (got, theirs))
+        assert err <= max(2 * flash_err, rounding * want.abs().max().item()), (name, err, flash_err)
 
 
 def test_the_output_is_laid_out_as_the_output_projection_reads_it():
@@ -121,8 +147,9 @@ def test_where_it_does_not_apply_sdpa_serves(case, monkeypatch):
 
 @pytest.mark.parametrize("autocast", [True, False])
 def test_a_training_step_takes_it_and_matches_sdpa(autocast, monkeypatch):
-    """The model's Causal pass, under bf16 autocast and in float32: the kernel runs once per layer, and
-    the loss and every gradient are SDPA's within the dtype's rounding."""
+    """The model's Causal pass, under bf16 autocast and in float32: the kernel runs once per layer (RoPE
+    inside it), and the loss and every gradient are those of rotate() and SDPA within the dtype's
+    rounding."""
     kernel_or_skip()
     args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=256, max_seq_len=96)
     torch.manual_seed(0)
@@ -138,9 +165,11 @@ def test_a_training_step_takes_it_and_matches_sdpa(autocast, monkeypatch):
 
     calls = []
     forward = cpu_attention._CausalAttention.forward
-    monkeypatch.setattr(cpu_attention._CausalAttention, "forward", lambda *a: calls.append(1) or forward(*a))
+    monkeypatch.setattr(
+        cpu_attention._CausalAttention, "forward", lambda *a: calls.append(a[4] is not None) or forward(*a)
+    )
     loss, grads = step()
-    assert len(calls) == args.n_layers
+    assert calls == [True] * args.n_layers  # each layer once, with RoPE's tables
     monkeypatch.setenv("PHALANX_CPU_ATTENTION", "0")
     sdpa_loss, sdpa_grads = step()
     assert len(calls) == args.n_layers
