@@ -26,8 +26,6 @@ AVX512_BF16_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf
 def load_library(name: str, sources: list[Path], headers: list[Path], flags: list[str]) -> bool:
     """Build `name` (a TORCH_LIBRARY namespace, e.g. phalanx_decode_kernel) from `sources` once per content
     and keep it; load it into torch.ops. Returns whether it is loaded."""
-    from torch.utils import cpp_extension
-
     text = b"".join(path.read_bytes() for path in sources + headers)
     key = hashlib.sha256(text + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "phalanx" / name.removeprefix("phalanx_")
@@ -36,6 +34,8 @@ def load_library(name: str, sources: list[Path], headers: list[Path], flags: lis
         if kept.exists():
             torch.ops.load_library(str(kept))
             return True
+        from torch.utils import cpp_extension  # only to build: importing it takes about a second
+
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as build:  # loads what it builds
             cpp_extension.load(
