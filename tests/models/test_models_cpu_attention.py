@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from phalanx.models import cpu_attention
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.rope import rope_rotation, rope_tables, rotate
+from tests.model_steps import loss_and_grads
 
 pytestmark = pytest.mark.skipif(
     not (torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported()),
@@ -156,22 +157,15 @@ def test_a_training_step_takes_it_and_matches_sdpa(autocast, monkeypatch):
     model = Transformer(args)
     tokens = torch.randint(0, args.vocab_size, (2, 80))
 
-    def step():
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
     calls = []
     forward = cpu_attention._CausalAttention.forward
     monkeypatch.setattr(
         cpu_attention._CausalAttention, "forward", lambda *a: calls.append(a[4] is not None) or forward(*a)
     )
-    loss, grads = step()
+    loss, grads = loss_and_grads(model, tokens, autocast)
     assert calls == [True] * args.n_layers  # each layer once, with RoPE's tables
     monkeypatch.setenv("PHALANX_CPU_ATTENTION", "0")
-    sdpa_loss, sdpa_grads = step()
+    sdpa_loss, sdpa_grads = loss_and_grads(model, tokens, autocast)
     assert len(calls) == args.n_layers
     tolerance = 2e-2 if autocast else 1e-5
     assert loss.item() == pytest.approx(sdpa_loss.item(), rel=tolerance / 10)

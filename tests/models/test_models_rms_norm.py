@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from phalanx.models import rms_norm as norm_module
 from phalanx.models.decoder import ModelArgs, Transformer
 from phalanx.models.rms_norm import rms_norm
+from tests.model_steps import loss_and_grads
 
 EPS = 1e-5
 
@@ -73,16 +74,9 @@ def test_the_model_keeps_its_loss_bits_with_the_hand_written_backward(autocast, 
     model = Transformer(args)
     tokens = torch.randint(0, args.vocab_size, (2, 48))
 
-    def loss_and_grads():
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    ours = loss_and_grads()
+    ours = loss_and_grads(model, tokens, autocast)
     monkeypatch.setattr(norm_module, "rms_norm", lambda x, w, eps: composite(x, w))  # what RMSNorm calls
-    plain = loss_and_grads()
+    plain = loss_and_grads(model, tokens, autocast)
     assert torch.equal(ours[0], plain[0])
     tolerance = 1e-2 if autocast else 1e-5
     for name, grad in plain[1].items():
