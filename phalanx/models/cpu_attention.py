@@ -52,15 +52,19 @@ def _attended_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
 
 
-def applies(q_BHTE: torch.Tensor, window: int | None) -> bool:
-    """Whether causal_attention takes these queries (the keys and values have the same T)."""
-    T, E = q_BHTE.shape[2], q_BHTE.shape[3]
+def applies(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, window: int | None) -> bool:
+    """Whether causal_attention takes these: keys and values of q's length and head dim (not MLA's
+    narrower value heads), kv heads that divide the query heads, and the rest of the module docstring."""
+    _, H, T, E = q_BHTE.shape
     return (
         q_BHTE.device.type == "cpu"
         and type(q_BHTE) is torch.Tensor
         and _attended_dtype(q_BHTE) in (torch.bfloat16, torch.float32)
         and E % 32 == 0
         and T > 1
+        and k_BKTE.shape == v_BKTE.shape
+        and k_BKTE.shape[2:] == (T, E)
+        and H % k_BKTE.shape[1] == 0
         and (window is None or T <= window)
         and not torch.compiler.is_compiling()
         and ready()

@@ -102,12 +102,13 @@ class Causal(TokenPass):
         return slice(0, length)
 
     def attend(self, attention, q_BHTE, k_BKTE, v_BKTE):
-        if cpu_attention.applies(q_BHTE, attention.sliding_window):
+        if cpu_attention.applies(q_BHTE, k_BKTE, v_BKTE, attention.sliding_window):
             return heads_last(cpu_attention.causal_attention(q_BHTE, k_BKTE, v_BKTE))
         return heads_last(causal_sdpa(q_BHTE, k_BKTE, v_BKTE, attention.sliding_window))
 
     def attend_rotating(self, attention, q_BHTE, k_BKTE, v_BKTE, rope):
-        if cpu_attention.applies(q_BHTE, attention.sliding_window) and cpu_attention.rotates(q_BHTE, rope):
+        window = attention.sliding_window
+        if cpu_attention.applies(q_BHTE, k_BKTE, v_BKTE, window) and cpu_attention.rotates(q_BHTE, rope):
             return heads_last(cpu_attention.causal_attention(q_BHTE, k_BKTE, v_BKTE, rope))
         return super().attend_rotating(attention, q_BHTE, k_BKTE, v_BKTE, rope)
 

@@ -116,7 +116,7 @@ def test_autocast_inputs_are_cast_and_their_gradients_come_back_in_float32():
     kernel_or_skip()
     q, k, v = (heads(1, 2, 48, 32, s).float().requires_grad_() for s in range(3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert cpu_attention.applies(q, None)
+        assert cpu_attention.applies(q, k, v, None)
         out = cpu_attention.causal_attention(q, k, v)
         expected = sdpa(q, k, v)
     assert out.dtype == expected.dtype == torch.bfloat16
@@ -127,10 +127,19 @@ def test_autocast_inputs_are_cast_and_their_gradients_come_back_in_float32():
 
 @pytest.mark.parametrize(
     "case",
-    ["float64", "head dim 48", "window shorter than T", "one token", "switched off", "meta device"],
+    [
+        "float64",
+        "head dim 48",
+        "window shorter than T",
+        "one token",
+        "switched off",
+        "meta device",
+        "narrower value heads (MLA)",
+    ],
 )
 def test_where_it_does_not_apply_sdpa_serves(case, monkeypatch):
     q, window = heads(1, 2, 16, 32, 0), None
+    k = v = heads(1, 2, 16, 32, 1)
     if case == "float64":
         q = q.double()
     elif case == "head dim 48":
@@ -141,9 +150,11 @@ def test_where_it_does_not_apply_sdpa_serves(case, monkeypatch):
         q = heads(1, 2, 1, 32, 0)
     elif case == "switched off":
         monkeypatch.setenv("PHALANX_CPU_ATTENTION", "0")
-    else:
+    elif case == "meta device":
         q = q.to("meta")
-    assert not cpu_attention.applies(q, window)
+    else:
+        q, k, v = heads(1, 2, 16, 64, 0), heads(1, 2, 16, 64, 1), heads(1, 2, 16, 32, 2)
+    assert not cpu_attention.applies(q, k, v, window)
 
 
 @pytest.mark.parametrize("autocast", [True, False])

@@ -33,7 +33,6 @@ PANEL = 64  # outputs per panel: decode_kernel.cpp's four 16-lane accumulators
 BLOCK = 512  # oneDNN sums a row's inputs in blocks of this many, then adds the blocks (measured, both dtypes)
 KERNEL_ROWS = 16  # the widest product the kernel takes: the widths the checks at start cover
 _SOURCES = ["decode_kernel.cpp", "decode_block.cpp"]  # the kernel's ops; the native block (decode_block.py)
-_FLAGS = AVX512_BF16_FLAGS
 
 
 def decode_kernel_available(dtype: torch.dtype) -> bool:
@@ -49,7 +48,9 @@ def decode_kernel_available(dtype: torch.dtype) -> bool:
 def _compiled() -> bool:
     """Build the kernel once per source, flags and torch, keep it, and load it (phalanx/native.py)."""
     here = Path(__file__).parent
-    return load_library("phalanx_decode_kernel", [here / name for name in _SOURCES], [here / "decode_kernel.h"], _FLAGS)
+    return load_library(
+        "phalanx_decode_kernel", [here / name for name in _SOURCES], [here / "decode_kernel.h"], AVX512_BF16_FLAGS
+    )
 
 
 def _panel_shape(out_features: int, in_features: int, dtype: torch.dtype) -> tuple[int, int]:
